@@ -1,0 +1,134 @@
+"""Typed messages of the handoff: trajectories, groups, batch plans, mini-batches, versions.
+
+Definitions used everywhere in this project (DESIGN.md, "Definitions"); they are written here once:
+
+- **Policy version** ``v``: the number of optimizer steps the trainer has applied. One mini-batch = one step.
+- **Generation version** ``v_gen(t)``: the version loaded in the rollout engine when trajectory ``t`` started
+  generating (with in-flight weight updates, the oldest version that produced any of its tokens).
+- **Training version** ``v_train(t)``: the trainer's version at the step that consumes ``t``.
+- **Staleness** ``s(t) = v_train(t) - v_gen(t)``, in optimizer steps.
+
+Every message validates itself on construction and raises ``ValueError`` naming the field and the value, so a
+malformed message is rejected before it can touch any state.
+
+Example::
+
+    >>> g = GroupSpec(group_id=0, batch_id=0, size=2)
+    >>> plan = BatchPlan(batch_id=0, groups=(g,))
+    >>> plan.num_trajectories
+    2
+    >>> Trajectory(traj_id=7, group_id=0, batch_id=0, num_tokens=0, v_gen=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: Trajectory.num_tokens must be >= 1 (an empty or negative-length response), got 0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NewType
+
+PolicyVersion = NewType("PolicyVersion", int)
+TrajId = int
+GroupId = int
+BatchId = int
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _int_field(owner: str, name: str, value: object, minimum: int) -> None:
+    # bool is an int subclass; a True where a count belongs is a bug, not a 1.
+    _require(isinstance(value, int) and not isinstance(value, bool),
+             f"{owner}.{name} must be an int, got {type(value).__name__} {value!r}")
+    _require(value >= minimum, f"{owner}.{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class Trajectory:
+    """One completed response (a sample of a group), as the admission layer sees it.
+
+    ``num_tokens`` is the response length in tokens (what token budgets and trainer step time count);
+    ``prompt_tokens`` the prompt length. ``v_gen`` is the generation version defined above.
+    """
+
+    traj_id: TrajId
+    group_id: GroupId
+    batch_id: BatchId
+    num_tokens: int
+    v_gen: int
+    prompt_tokens: int = 0
+    t_complete: float = 0.0
+
+    def __post_init__(self) -> None:
+        _int_field("Trajectory", "traj_id", self.traj_id, 0)
+        _int_field("Trajectory", "group_id", self.group_id, 0)
+        _int_field("Trajectory", "batch_id", self.batch_id, 0)
+        _require(isinstance(self.num_tokens, int) and not isinstance(self.num_tokens, bool),
+                 f"Trajectory.num_tokens must be an int, got {type(self.num_tokens).__name__}")
+        _require(self.num_tokens >= 1,
+                 f"Trajectory.num_tokens must be >= 1 (an empty or negative-length response), got {self.num_tokens}")
+        _int_field("Trajectory", "v_gen", self.v_gen, 0)
+        _int_field("Trajectory", "prompt_tokens", self.prompt_tokens, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """A prompt dispatched with ``size`` samples (its GRPO group). Sizes may differ across groups (filtered or
+    truncated groups, agentic rollouts with a variable number of trajectories); a group's size is declared when
+    it is dispatched, and no more than ``size`` trajectories may arrive for it."""
+
+    group_id: GroupId
+    batch_id: BatchId
+    size: int
+    prompt_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _int_field("GroupSpec", "group_id", self.group_id, 0)
+        _int_field("GroupSpec", "batch_id", self.batch_id, 0)
+        _int_field("GroupSpec", "size", self.size, 1)
+        _int_field("GroupSpec", "prompt_tokens", self.prompt_tokens, 0)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The groups that make up training batch ``batch_id`` (the data loader's prompts for that batch)."""
+
+    batch_id: BatchId
+    groups: tuple[GroupSpec, ...]
+
+    def __post_init__(self) -> None:
+        _int_field("BatchPlan", "batch_id", self.batch_id, 0)
+        _require(len(self.groups) > 0, f"BatchPlan {self.batch_id} has no groups")
+        seen: set[int] = set()
+        for g in self.groups:
+            _require(isinstance(g, GroupSpec), f"BatchPlan.groups must hold GroupSpec, got {type(g).__name__}")
+            _require(g.batch_id == self.batch_id,
+                     f"group {g.group_id} declares batch_id {g.batch_id} but is in BatchPlan {self.batch_id}")
+            _require(g.group_id not in seen, f"BatchPlan {self.batch_id}: duplicate group_id {g.group_id}")
+            seen.add(g.group_id)
+
+    @property
+    def num_trajectories(self) -> int:
+        return sum(g.size for g in self.groups)
+
+
+@dataclass(frozen=True)
+class MiniBatch:
+    """One optimizer step's worth of trajectories: the ``index``-th of its batch's M mini-batches.
+
+    ``violations`` is empty for every policy that keeps the batch constraints; the greedy baseline, which has no
+    feasibility check, records here each constraint it had to break at a dead end."""
+
+    batch_id: BatchId
+    index: int
+    traj_ids: tuple[TrajId, ...]
+    group_ids: tuple[GroupId, ...]
+    num_tokens: int
+    violations: tuple[str, ...] = field(default=())
+
+    @property
+    def size(self) -> int:
+        return len(self.traj_ids)
