@@ -24,7 +24,7 @@ Example::
     >>> BatchConstraints(batch_size=8, num_minibatches=3, max_response_len=100)
     Traceback (most recent call last):
     ...
-    ValueError: BatchConstraints: mini-batch size does not divide the batch: batch_size=8 is not a multiple of num_minibatches=3 (set size_slack > 0 to allow unequal mini-batches)
+    knittrans.constraints.ConstraintError: BatchConstraints: mini-batch size does not divide the batch: batch_size=8 is not a multiple of num_minibatches=3 (set size_slack > 0 to allow unequal mini-batches)
 """
 
 from __future__ import annotations
