@@ -49,11 +49,10 @@ class TrainBatchAdmission:
 
     def on_trainer_ready(self, now: float) -> list[MiniBatch]:
         b = self.ledger.current()
-        if b is None:
+        if b is None or b.committed or b.arrived < b.plan.num_trajectories:
             return []
         ready, pending = self.ledger.units(b)
-        if pending or b.committed:
-            return []
+        assert not pending
         self._stats.decisions += 1
         k = self.ledger.remaining_minibatches(b)
         sol = solve(ready, k, self.constraints, self.node_limit, want_witness=True)
@@ -76,6 +75,7 @@ class GreedyStreamingAdmission:
         self.ledger = BatchLedger(constraints)
         self._stats = AdmissionStats()
         self._dead: set[int] = set()
+        self._dirty = True  # a unit became ready (or a batch was added) since the last attempt that waited
 
     @property
     def stats(self) -> AdmissionStats:
@@ -83,23 +83,28 @@ class GreedyStreamingAdmission:
 
     def add_batch(self, plan: BatchPlan) -> None:
         self.ledger.add_batch(plan)
+        self._dirty = True
 
     def on_complete(self, traj: Trajectory) -> None:
-        self.ledger.add(traj)
+        g = self.ledger.add(traj)
+        if not self.constraints.whole_groups or g.complete:
+            self._dirty = True
 
     def on_trainer_ready(self, now: float) -> list[MiniBatch]:
         b = self.ledger.current()
-        if b is None:
+        if b is None or not self._dirty:
             return []
         c = self.constraints
         ready, pending = self.ledger.units(b)
         k = self.ledger.remaining_minibatches(b)
         if not ready:
+            self._dirty = False
             return []
         self._stats.decisions += 1
         fifo = sorted(ready, key=lambda u: u.order)
         if k == 1:
             if pending:
+                self._dirty = False
                 return []
             return [self._commit(b, fifo)]
         targets = sorted(c.allowed_sizes(), key=lambda s: abs(s - c.minibatch_size))
@@ -110,6 +115,7 @@ class GreedyStreamingAdmission:
                 return [self.ledger.commit(b, cand)]
         if pending:
             self._stats.waits += 1
+            self._dirty = False
             return []
         # Dead end: everything has completed and no valid mini-batch can be formed. Finish the batch anyway by
         # dealing the rest round-robin into the k remaining mini-batches, and record what that breaks.

@@ -73,6 +73,7 @@ class BatchState:
     plan: BatchPlan
     groups: dict[int, GroupState]
     committed: int = 0  # mini-batches committed so far
+    arrived: int = 0  # trajectories received so far
     consumed_traj: set[int] = field(default_factory=set)
     ready_groups: deque[int] = field(default_factory=deque)  # complete, unconsumed groups, in completion order
     ready_trajs: dict[int, tuple[int, Trajectory]] = field(default_factory=dict)  # traj mode: id -> (seq, traj)
@@ -132,6 +133,7 @@ class BatchLedger:
         # validated: now mutate
         self._traj_ids.add(t.traj_id)
         g.arrived.append(t)
+        b.arrived += 1
         seq = next(self._seq)
         if self.c.whole_groups:
             if g.complete:

@@ -1,0 +1,377 @@
+"""A discrete-event model of a disaggregated RL system: rollout engines, weight sync, flow control, trainer.
+
+Model (every knob in ``knittrans.sim.config``):
+
+- **Rollout.** E engines with C slots each run continuous batching: every decode step emits one token for every
+  active sequence and takes ``tpot * (1 + load_alpha * active / C)`` seconds. A group's n samples start together
+  on one engine (as ``SamplingParams(n=...)`` does), once it has n free slots; groups start in data-loader order.
+  Between events the active set is constant, so each engine runs on a virtual token clock and the next completion
+  time is computed in closed form: the cost is per trajectory, not per token.
+- **Flow control.** Whether the next group may be dispatched: an in-flight budget in groups (dispatched and not
+  yet consumed by the trainer), AReaL's capacity rule, or unbounded.
+- **Trainer.** One optimizer step per mini-batch, ``step_overhead + per_token * tokens`` seconds. When idle it asks
+  the admission policy for mini-batches (after every step and whenever a trajectory completes).
+- **Weight sync.** Every step, every k steps or every batch; both sides pause for ``cost`` seconds; in-flight
+  requests continue (keeping their oldest version as ``v_gen``) or are aborted and regenerated.
+- **Colocated mode.** Generation and training take turns on shared resources: batch b is generated with the
+  weights after batch b-1, then trained, with a switch cost per batch.
+
+Deterministic given the workload (which is generated from a seed): ties are broken by event sequence numbers.
+Records per trajectory ``v_gen``, ``v_train`` and timestamps; per engine and trainer, busy and idle time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from knittrans.admission.base import AdmissionPolicy, AdmissionStats
+from knittrans.sim.config import FlowKind, Inflight, Mode, SimConfig, SyncPolicy
+from knittrans.types import MiniBatch, Trajectory
+from workloads.text import WorkloadBatch
+
+
+class SimDeadlock(RuntimeError):
+    """No event is left but trajectories remain unconsumed (e.g. a budget below one batch with train-batch
+    admission, which must see the whole batch before it trains)."""
+
+
+@dataclass
+class TrajRecords:
+    """Per-trajectory arrays, indexed by trajectory id (ids are 0..N-1 in data-loader order)."""
+
+    batch: np.ndarray
+    group: np.ndarray
+    length: np.ndarray
+    t_dispatch: np.ndarray
+    t_start: np.ndarray
+    t_complete: np.ndarray
+    t_group_complete: np.ndarray
+    t_consumed: np.ndarray  # start of the step that consumes it
+    v_gen: np.ndarray
+    v_train: np.ndarray
+    step: np.ndarray  # global index of the consuming step
+    mb_index: np.ndarray  # j: index of the consuming mini-batch within its batch
+
+    @classmethod
+    def empty(cls, n: int) -> "TrajRecords":
+        f = lambda: np.full(n, np.nan)  # noqa: E731
+        i = lambda: np.full(n, -1, dtype=np.int64)  # noqa: E731
+        return cls(i(), i(), i(), f(), f(), f(), f(), f(), i(), i(), i(), i())
+
+    @property
+    def staleness(self) -> np.ndarray:
+        return self.v_train - self.v_gen
+
+
+@dataclass
+class StepRecord:
+    start: float
+    end: float
+    batch_id: int
+    index: int
+    size: int
+    tokens: int
+    violations: int
+
+
+@dataclass
+class SimResult:
+    records: TrajRecords
+    steps: list[StepRecord]
+    syncs: list[tuple[float, float]]
+    total_time: float
+    engine_busy: np.ndarray  # seconds each engine had at least one active sequence (not paused)
+    engine_slot_seconds: np.ndarray  # integral of active sequences over time, per engine
+    wasted_tokens: int  # tokens generated then discarded (aborted at a sync)
+    policy: str
+    policy_stats: AdmissionStats
+    num_minibatches: int
+    timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, engine, active)
+
+
+class _Engine:
+    __slots__ = ("idx", "heap", "tau", "last", "paused", "epoch", "busy", "slot_seconds")
+
+    def __init__(self, idx: int) -> None:
+        self.idx = idx
+        self.heap: list[tuple[float, int]] = []  # (virtual finish time, trajectory id)
+        self.tau = 0.0  # tokens decoded per active sequence since start (virtual clock)
+        self.last = 0.0
+        self.paused = False
+        self.epoch = 0
+        self.busy = 0.0
+        self.slot_seconds = 0.0
+
+    def advance(self, now: float, cfg) -> None:
+        dt = now - self.last
+        if dt > 0 and self.heap and not self.paused:
+            n = len(self.heap)
+            self.tau += dt / cfg.step_time(n)
+            self.busy += dt
+            self.slot_seconds += dt * n
+        self.last = now
+
+
+_ENGINE, _TRAINER_DONE, _SYNC_DONE = 0, 1, 2
+
+
+class Simulator:
+    """Runs one admission policy over a list of workload batches. ``run()`` returns a ``SimResult``."""
+
+    def __init__(self, cfg: SimConfig, policy: AdmissionPolicy, batches: Sequence[WorkloadBatch]) -> None:
+        self.cfg = cfg
+        self.policy = policy
+        self.batches = list(batches)
+        self.M = policy.constraints.num_minibatches
+        self.B = policy.constraints.batch_size
+        # flatten groups in data-loader order; trajectory ids are global
+        self.groups: list[tuple[int, int, np.ndarray, range]] = []  # (batch idx, group id, lengths, traj ids)
+        tid = 0
+        for bi, wb in enumerate(self.batches):
+            for g in wb.plan.groups:
+                lens = np.asarray(wb.lengths[g.group_id], dtype=np.int64)
+                if len(lens) != g.size:
+                    raise ValueError(f"group {g.group_id}: {len(lens)} lengths for declared size {g.size}")
+                self.groups.append((bi, g.group_id, lens, range(tid, tid + g.size)))
+                tid += g.size
+        self.N = tid
+        self.rec = TrajRecords.empty(self.N)
+        self.prompt_tokens = {g.group_id: g.prompt_tokens for wb in self.batches for g in wb.plan.groups}
+        self.traj_group = np.empty(self.N, dtype=np.int64)  # index into self.groups
+        for gi, (bi, gid, lens, ids) in enumerate(self.groups):
+            self.traj_group[ids.start:ids.stop] = gi
+            self.rec.batch[ids.start:ids.stop] = self.batches[bi].plan.batch_id
+            self.rec.group[ids.start:ids.stop] = gid
+            self.rec.length[ids.start:ids.stop] = lens
+        self.engines = [_Engine(i) for i in range(cfg.engine.num_engines)]
+        self.traj_engine = np.full(self.N, -1, dtype=np.int64)
+
+    # -- event plumbing -----------------------------------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, payload: int, epoch: int = 0) -> None:
+        heapq.heappush(self.events, (t, next(self.seq), kind, payload, epoch))
+
+    def _schedule_engine(self, e: _Engine) -> None:
+        e.epoch += 1
+        if e.paused or not e.heap:
+            return
+        t = self.now + max(0.0, e.heap[0][0] - e.tau) * self.cfg.engine.step_time(len(e.heap))
+        self._push(t, _ENGINE, e.idx, e.epoch)
+
+    def _note_timeline(self, e: _Engine) -> None:
+        if self.cfg.record_timeline:
+            self.timeline.append((self.now, e.idx, len(e.heap)))
+
+    # -- main loop ----------------------------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        self.now = 0.0
+        self.events: list = []
+        self.seq = itertools.count()
+        self.version = 0
+        self.engine_version = 0
+        self.next_group = 0
+        self.batches_added = 0
+        self.inflight_groups = 0
+        self.submitted = 0
+        self.group_left = [len(g[3]) for g in self.groups]  # trajectories still generating, per group
+        self.group_unconsumed = [len(g[3]) for g in self.groups]
+        self.consumed = 0
+        self.trainer_busy = False
+        self.syncing = False
+        self.train_queue: list[MiniBatch] = []
+        self.steps: list[StepRecord] = []
+        self.syncs: list[tuple[float, float]] = []
+        self.timeline: list[tuple[float, int, int]] = []
+        self.wasted = 0
+        self.batches_trained = 0
+
+        self._dispatch()
+        self._trainer_poll()
+        handled = 0
+        while self.events and self.consumed < self.N:
+            t, _, kind, payload, epoch = heapq.heappop(self.events)
+            handled += 1
+            if handled > self.cfg.max_events:
+                raise RuntimeError(f"simulation exceeded max_events={self.cfg.max_events}")
+            if kind == _ENGINE:
+                e = self.engines[payload]
+                if epoch != e.epoch:
+                    continue  # stale: the engine's active set changed after this was scheduled
+                self.now = t
+                self._on_engine(e)
+            elif kind == _TRAINER_DONE:
+                self.now = t
+                self._on_step_done(payload)
+            else:
+                self.now = t
+                self._on_sync_done()
+        if self.consumed < self.N:
+            raise SimDeadlock(
+                f"{self.policy.name}: {self.N - self.consumed} of {self.N} trajectories never consumed at "
+                f"t={self.now:.1f}s; groups dispatched {self.next_group}/{len(self.groups)}, in flight "
+                f"{self.inflight_groups}, flow={self.cfg.flow}. Train-batch admission needs a budget of at "
+                f"least one batch of groups.")
+        for e in self.engines:
+            e.advance(self.now, self.cfg.engine)
+        return SimResult(self.rec, self.steps, self.syncs, self.now,
+                         np.array([e.busy for e in self.engines]), np.array([e.slot_seconds for e in self.engines]),
+                         self.wasted, self.policy.name, self.policy.stats, self.M, self.timeline)
+
+    # -- rollout ------------------------------------------------------------------------------------------------
+
+    def _flow_allows(self, size: int, batch_idx: int) -> bool:
+        if self.cfg.mode is Mode.COLOCATED:
+            return batch_idx == self.batches_trained and not self.trainer_busy and not self.syncing
+        f = self.cfg.flow
+        if f.kind is FlowKind.GROUPS:
+            return self.inflight_groups < f.budget_groups
+        if f.kind is FlowKind.AREAL:
+            return self.submitted + size <= (f.eta + self.version // self.M + 1) * self.B
+        return True
+
+    def _dispatch(self) -> None:
+        eng_cfg = self.cfg.engine
+        while self.next_group < len(self.groups):
+            bi, gid, lens, ids = self.groups[self.next_group]
+            n = len(ids)
+            if n > eng_cfg.slots:
+                raise ValueError(f"group {gid} has {n} samples but an engine has only {eng_cfg.slots} slots")
+            if not self._flow_allows(n, bi):
+                return
+            e = max(self.engines, key=lambda x: (eng_cfg.slots - len(x.heap), -x.idx))
+            if e.paused or eng_cfg.slots - len(e.heap) < n:
+                return  # head-of-line: groups start in data-loader order
+            while self.batches_added <= bi:
+                self.policy.add_batch(self.batches[self.batches_added].plan)
+                self.batches_added += 1
+            e.advance(self.now, eng_cfg)
+            for tid, length in zip(ids, lens):
+                heapq.heappush(e.heap, (e.tau + float(length), tid))
+                self.rec.t_dispatch[tid] = self.now
+                self.rec.t_start[tid] = self.now
+                self.rec.v_gen[tid] = self.engine_version
+                self.traj_engine[tid] = e.idx
+            self.next_group += 1
+            self.inflight_groups += 1
+            self.submitted += n
+            self._note_timeline(e)
+            self._schedule_engine(e)
+
+    def _on_engine(self, e: _Engine) -> None:
+        e.advance(self.now, self.cfg.engine)
+        e.tau = max(e.tau, e.heap[0][0])  # the event fires exactly at the first finish (no float drift)
+        done = []
+        while e.heap and e.heap[0][0] <= e.tau + 1e-9:
+            done.append(heapq.heappop(e.heap)[1])
+        for tid in done:
+            self._complete(tid)
+        self._note_timeline(e)
+        self._schedule_engine(e)
+        self._dispatch()
+        self._trainer_poll()
+
+    def _complete(self, tid: int) -> None:
+        r = self.rec
+        r.t_complete[tid] = self.now
+        gi = int(self.traj_group[tid])
+        bi, gid, lens, ids = self.groups[gi]
+        self.group_left[gi] -= 1
+        if self.group_left[gi] == 0:
+            r.t_group_complete[ids.start:ids.stop] = self.now
+        self.policy.on_complete(Trajectory(
+            traj_id=tid, group_id=gid, batch_id=self.batches[bi].plan.batch_id, num_tokens=int(r.length[tid]),
+            v_gen=int(r.v_gen[tid]), prompt_tokens=self.prompt_tokens[gid], t_complete=self.now))
+
+    # -- trainer ------------------------------------------------------------------------------------------------
+
+    def _trainer_poll(self) -> None:
+        if self.trainer_busy or self.syncing:
+            return
+        if not self.train_queue:
+            self.train_queue.extend(self.policy.on_trainer_ready(self.now))
+        if not self.train_queue:
+            return
+        mb = self.train_queue.pop(0)
+        ids = np.fromiter(mb.traj_ids, dtype=np.int64, count=len(mb.traj_ids))
+        if np.any(self.rec.v_train[ids] >= 0):
+            raise AssertionError(f"mini-batch {mb.batch_id}/{mb.index} holds an already consumed trajectory")
+        self.rec.v_train[ids] = self.version
+        self.rec.t_consumed[ids] = self.now
+        self.rec.step[ids] = len(self.steps)
+        self.rec.mb_index[ids] = mb.index
+        dur = self.cfg.trainer.step_time(mb.num_tokens)
+        self.steps.append(StepRecord(self.now, self.now + dur, mb.batch_id, mb.index, mb.size, mb.num_tokens,
+                                     len(mb.violations)))
+        self.trainer_busy = True
+        self._current = mb
+        self._push(self.now + dur, _TRAINER_DONE, len(self.steps) - 1)
+
+    def _on_step_done(self, step_idx: int) -> None:
+        mb = self._current
+        self.trainer_busy = False
+        self.version += 1
+        for tid in mb.traj_ids:
+            gi = int(self.traj_group[tid])
+            self.group_unconsumed[gi] -= 1
+            if self.group_unconsumed[gi] == 0:
+                self.inflight_groups -= 1
+        self.consumed += len(mb.traj_ids)
+        last_of_batch = mb.index == self.M - 1
+        if last_of_batch:
+            self.batches_trained += 1
+        s = self.cfg.sync
+        if self.cfg.mode is Mode.COLOCATED:
+            do_sync, cost = last_of_batch, self.cfg.colocated_switch_cost
+        else:
+            do_sync = (s.policy is SyncPolicy.EVERY_STEP
+                       or (s.policy is SyncPolicy.EVERY_K and self.version % s.k == 0)
+                       or (s.policy is SyncPolicy.EVERY_BATCH and last_of_batch))
+            cost = s.cost
+        if do_sync:
+            self._start_sync(cost)
+        else:
+            self._dispatch()
+            self._trainer_poll()
+
+    # -- weight sync --------------------------------------------------------------------------------------------
+
+    def _start_sync(self, cost: float) -> None:
+        self.syncing = True
+        for e in self.engines:
+            e.advance(self.now, self.cfg.engine)
+            e.paused = True
+            e.epoch += 1  # drop scheduled completions while paused
+        self.syncs.append((self.now, self.now + cost))
+        self._push(self.now + cost, _SYNC_DONE, 0)
+
+    def _on_sync_done(self) -> None:
+        self.syncing = False
+        self.engine_version = self.version
+        abort = self.cfg.sync.inflight is Inflight.ABORT and self.cfg.mode is Mode.DISAGGREGATED
+        for e in self.engines:
+            e.paused = False
+            e.last = self.now
+            if abort and e.heap:
+                restarted = []
+                for fin, tid in e.heap:
+                    length = float(self.rec.length[tid])
+                    self.wasted += int(round(length - (fin - e.tau)))
+                    restarted.append((e.tau + length, tid))
+                    self.rec.v_gen[tid] = self.engine_version
+                    self.rec.t_start[tid] = self.now
+                heapq.heapify(restarted)
+                e.heap = restarted
+            self._schedule_engine(e)
+        self._dispatch()
+        self._trainer_poll()
+
+
+def simulate(cfg: SimConfig, policy: AdmissionPolicy, batches: Sequence[WorkloadBatch]) -> SimResult:
+    """Run one simulation (see ``Simulator``)."""
+    return Simulator(cfg, policy, batches).run()

@@ -1,0 +1,115 @@
+"""Text (math-reasoning) workloads for the simulator: prompts, group sizes and long-tailed response lengths.
+
+The DAPO-like preset follows the public DAPO recipe (Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning
+System at Scale", arXiv:2503.14476, and its verl recipe ``recipe/dapo``):
+
+- 512 prompts per training batch (``data.train_batch_size=512``), 16 samples per prompt (``rollout.n=16``);
+- mini-batches of 32 prompts (``ppo_mini_batch_size=32``), so M = 512 / 32 = 16 optimizer steps per batch;
+- responses up to 20480 tokens (``max_response_length=20480``, with a 4096-token overlong buffer), prompts up
+  to 2048 tokens (``max_prompt_length=2048``).
+
+The length distribution is ours (an assumption, not a published figure): log-normal with a median of 3000 tokens,
+so the mean is about 4.5k tokens, in the range of the mean response lengths DAPO's training curves show, and a
+tail truncated at the maximum (truncated responses come back at exactly ``max_response_len``, as an overlong
+response does). Half of the log-variance is per prompt (hard prompts give long answers for all their samples),
+which is what makes the longest member of a group much longer than the mean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from knittrans.types import BatchPlan, GroupSpec
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    median: float = 3000.0
+    """Median response length in tokens."""
+    sigma: float = 0.9
+    """Log-normal shape: standard deviation of log(length). 0.9 'light' tail, 1.3 'heavy' tail."""
+    prompt_share: float = 0.5
+    """Fraction of the log-variance that is shared by the samples of one prompt (0: independent samples)."""
+    max_len: int = 20480
+    """Truncation: longer responses are cut to exactly this length."""
+    min_len: int = 16
+    """Shortest response (an answer with no reasoning)."""
+
+    def __post_init__(self) -> None:
+        if not (self.median > 0 and self.sigma >= 0 and 0 <= self.prompt_share <= 1
+                and 1 <= self.min_len <= self.max_len):
+            raise ValueError(f"LengthDist: invalid parameters {self}")
+
+    def sample(self, rng: np.random.Generator, groups: int, n: int) -> np.ndarray:
+        """Lengths of ``groups`` groups of ``n`` samples, shape [groups, n], int64."""
+        sp = self.sigma * np.sqrt(self.prompt_share)
+        ss = self.sigma * np.sqrt(1.0 - self.prompt_share)
+        log = np.log(self.median) + sp * rng.standard_normal((groups, 1)) + ss * rng.standard_normal((groups, n))
+        return np.clip(np.exp(log), self.min_len, self.max_len).astype(np.int64)
+
+
+TAILS = {"light": 0.9, "heavy": 1.3}
+
+
+@dataclass(frozen=True)
+class TextWorkloadConfig:
+    name: str = "dapo"
+    prompts_per_batch: int = 512
+    """P: prompts per training batch."""
+    group_size: int = 16
+    """n: samples per prompt (GRPO group size)."""
+    num_minibatches: int = 16
+    """M: optimizer steps per batch."""
+    lengths: LengthDist = field(default_factory=LengthDist)
+    prompt_len: int = 512
+    """Prompt length in tokens (DAPO's math prompts are short; 2048 is the cap)."""
+    variable_groups: bool = False
+    """Draw each group's size uniformly from [group_size // 2, group_size] (filtered or agentic groups)."""
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_batch * self.group_size
+
+
+@dataclass(frozen=True)
+class WorkloadBatch:
+    """One training batch: its plan and the true response length of each trajectory, by group."""
+
+    plan: BatchPlan
+    lengths: dict[int, np.ndarray]
+
+    def group_tokens(self, group_id: int) -> int:
+        return int(self.lengths[group_id].sum())
+
+
+def generate_batches(cfg: TextWorkloadConfig, num_batches: int, seed: int) -> list[WorkloadBatch]:
+    """Deterministic given the seed. Group ids are global (batch b holds groups b*P .. b*P+P-1)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for b in range(num_batches):
+        lens = cfg.lengths.sample(rng, cfg.prompts_per_batch, cfg.group_size)
+        groups, lengths = [], {}
+        for i in range(cfg.prompts_per_batch):
+            gid = b * cfg.prompts_per_batch + i
+            size = cfg.group_size
+            if cfg.variable_groups:
+                size = int(rng.integers(max(1, cfg.group_size // 2), cfg.group_size + 1))
+            groups.append(GroupSpec(gid, b, size, cfg.prompt_len))
+            lengths[gid] = lens[i, :size]
+        out.append(WorkloadBatch(BatchPlan(b, tuple(groups)), lengths))
+    return out
+
+
+def dapo(tail: str = "light", **overrides) -> TextWorkloadConfig:
+    """The DAPO-like preset (see the module docstring for sources)."""
+    return TextWorkloadConfig(lengths=LengthDist(sigma=TAILS[tail]), **overrides)
+
+
+def small(tail: str = "light", **overrides) -> TextWorkloadConfig:
+    """A scaled-down preset for tests: 16 prompts x 4 samples, M = 4, responses up to 2048 tokens."""
+    base = dict(name="small", prompts_per_batch=16, group_size=4, num_minibatches=4, prompt_len=64,
+                lengths=LengthDist(median=300.0, sigma=TAILS[tail], max_len=2048, min_len=8))
+    base.update(overrides)
+    return TextWorkloadConfig(**base)
