@@ -70,11 +70,16 @@ class RunMetrics:
 
 
 def window(result, warmup_batches: int) -> tuple[np.ndarray, float, float, list]:
-    """Trajectory mask, window start and end time, and the steps of the steady-state window."""
+    """Trajectory mask, window start and end time, and the steps of the steady-state window.
+
+    The window runs from the end of the last warm-up step to the end of the last step, so it spans whole batch
+    periods for every policy alike (batch end to batch end). Starting it at the first window step instead would
+    favour train-batch admission, whose first step of a batch comes only after the whole batch has generated."""
     steps = result.steps
     first = min(warmup_batches * result.num_minibatches, max(0, len(steps) - 1))
     win = steps[first:]
-    t0, t1 = win[0].start, win[-1].end
+    t0 = steps[first - 1].end if first > 0 else 0.0
+    t1 = win[-1].end
     mask = result.records.step >= first
     return mask, t0, t1, win
 

@@ -63,6 +63,12 @@ class Trajectory:
     t_complete: float = 0.0
 
     def __post_init__(self) -> None:
+        # Fast path (this runs once per trajectory in every simulation): all ints, all in range.
+        if (type(self.traj_id) is int and type(self.group_id) is int and type(self.batch_id) is int
+                and type(self.num_tokens) is int and type(self.v_gen) is int and type(self.prompt_tokens) is int
+                and self.traj_id >= 0 and self.group_id >= 0 and self.batch_id >= 0 and self.num_tokens >= 1
+                and self.v_gen >= 0 and self.prompt_tokens >= 0):
+            return
         _int_field("Trajectory", "traj_id", self.traj_id, 0)
         _int_field("Trajectory", "group_id", self.group_id, 0)
         _int_field("Trajectory", "batch_id", self.batch_id, 0)

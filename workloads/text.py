@@ -67,9 +67,14 @@ class TextWorkloadConfig:
     """Prompt length in tokens (DAPO's math prompts are short; 2048 is the cap)."""
     variable_groups: bool = False
     """Draw each group's size uniformly from [group_size // 2, group_size] (filtered or agentic groups)."""
+    batch_total: int | None = None
+    """With variable groups: adjust the drawn sizes (within their range) so every batch holds exactly this many
+    trajectories, as a trainer with a fixed batch of B trajectories needs. None: sizes as drawn."""
 
     @property
     def batch_size(self) -> int:
+        if self.variable_groups and self.batch_total is not None:
+            return self.batch_total
         return self.prompts_per_batch * self.group_size
 
 
@@ -90,12 +95,23 @@ def generate_batches(cfg: TextWorkloadConfig, num_batches: int, seed: int) -> li
     out = []
     for b in range(num_batches):
         lens = cfg.lengths.sample(rng, cfg.prompts_per_batch, cfg.group_size)
+        sizes = np.full(cfg.prompts_per_batch, cfg.group_size)
+        if cfg.variable_groups:
+            lo = max(1, cfg.group_size // 2)
+            sizes = rng.integers(lo, cfg.group_size + 1, size=cfg.prompts_per_batch)
+            if cfg.batch_total is not None:
+                if not lo * cfg.prompts_per_batch <= cfg.batch_total <= cfg.group_size * cfg.prompts_per_batch:
+                    raise ValueError(f"batch_total={cfg.batch_total} is outside what {cfg.prompts_per_batch} groups "
+                                     f"of {lo}..{cfg.group_size} samples can hold")
+                while sizes.sum() != cfg.batch_total:  # nudge random groups by one sample, within range
+                    i = int(rng.integers(cfg.prompts_per_batch))
+                    step = 1 if sizes.sum() < cfg.batch_total else -1
+                    if lo <= sizes[i] + step <= cfg.group_size:
+                        sizes[i] += step
         groups, lengths = [], {}
         for i in range(cfg.prompts_per_batch):
             gid = b * cfg.prompts_per_batch + i
-            size = cfg.group_size
-            if cfg.variable_groups:
-                size = int(rng.integers(max(1, cfg.group_size // 2), cfg.group_size + 1))
+            size = int(sizes[i])
             groups.append(GroupSpec(gid, b, size, cfg.prompt_len))
             lengths[gid] = lens[i, :size]
         out.append(WorkloadBatch(BatchPlan(b, tuple(groups)), lengths))
