@@ -417,6 +417,11 @@ def claims_from(results: list[PointResult], matched: dict[tuple, Matched | None]
 
 COLORS = {"knittrans": "C0", "train_batch": "C1", "bounded_async": "C2", "greedy": "C3", "clairvoyant": "C4",
           "colocated": "k"}
+# policies that often coincide (clairvoyant and greedy equal KnitTrans without token budgets / variable groups)
+# get distinct line styles so an overlap stays visible
+STYLES = {"knittrans": dict(ls="-", lw=2.5, marker="o"), "clairvoyant": dict(ls="--", lw=1.2, marker="x"),
+          "greedy": dict(ls=":", lw=1.2, marker="+"), "train_batch": dict(ls="-", lw=1, marker="o"),
+          "bounded_async": dict(ls="-", lw=1, marker="s"), "colocated": dict(ls="", marker="*", ms=9)}
 
 
 def plot_frontiers(results: list[PointResult], scenario: str, path: Path, title: str) -> None:
@@ -439,8 +444,9 @@ def plot_frontiers(results: list[PointResult], scenario: str, path: Path, title:
             if not pts:
                 continue
             pts.sort(key=lambda r: r.point.budget)
+            style = {"ms": 4, **STYLES[pol]}
             ax.plot([r.metrics["throughput_traj_s"] for r in pts], [r.metrics["arch_staleness"] for r in pts],
-                    "o-" if pol != "colocated" else "*", color=COLORS[pol], label=pol, ms=4, lw=1)
+                    color=COLORS[pol], label=pol, **style)
         ax.set_title(f"M={key[1]} n={key[2]} {key[3]} {key[4]}", fontsize=8)
         ax.axhline(0, color="grey", lw=0.5)
         ax.tick_params(labelsize=7)
@@ -476,6 +482,7 @@ def plot_cdf(results: list[PointResult], path: Path, cdf_budget: float) -> str:
         r = min(cands, key=lambda r: r.metrics["staleness_mean"])
         h = np.asarray(r.hist, dtype=float)
         ax.step(np.arange(len(h)), np.cumsum(h) / h.sum(), where="post", color=COLORS[pol],
+                ls=STYLES[pol].get("ls") or "-", lw=STYLES[pol].get("lw", 1.2),
                 label=f"{pol} (budget {r.point.budget}, {r.metrics['throughput_traj_s']:.3g}/s)")
         chosen.append(f"{pol}: budget {r.point.budget}")
     ax.set_xlabel("staleness (optimizer steps)")
@@ -501,6 +508,7 @@ def plot_timelines(results: list[PointResult], path: Path) -> None:
     for ax, r in zip(axes[:, 0], tls):
         tl = r.timeline
         ax.step(tl["t"], tl["active"], where="post", color="C0", lw=0.8, label="rollout: active sequences")
+        ax.set_ylim(bottom=0)
         ax2 = ax.twinx()
         for (a, b, bid, idx) in tl["steps"]:
             ax2.barh(0.5, b - a, left=a, height=0.8, color=f"C{bid % 10}", alpha=0.6, edgecolor="k", lw=0.3)

@@ -9,7 +9,7 @@ for the same bytes, so this file is the specification and ``kernel.py`` must mat
 Construction (a parallel-friendly linear-then-mix hash)
 -------------------------------------------------------
 A segment is a run of ``n`` bytes, read as signed int8 and zero-padded at the tail to whole *blocks* of
-``BLOCK_BYTES`` (1024) bytes.
+``BLOCK_BYTES`` (4096) bytes.
 
 1. Block sums (linear, exact). Each block ``x`` (4096 int8) is multiplied by a fixed pseudo-random int8 matrix
    ``K`` of shape [4096, 16]: ``v = x @ K``, 16 exact int32 sums (|v| <= 2^26, so no overflow anywhere, in any
