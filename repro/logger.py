@@ -68,6 +68,13 @@ class WandbLogger:
             return
         cols = list(dict.fromkeys(k for r in rows for k in r))
         data = [[_cell(r.get(c)) for c in cols] for r in rows]
+        # wandb.Table infers one type per column and rejects a column that mixes strings and numbers (a claim's
+        # "paper" is 0.93 in one row and ">= 1" in another): render such columns as strings.
+        for j in range(len(cols)):
+            kinds = {type(row[j]) for row in data if row[j] is not None}
+            if str in kinds and len(kinds) > 1:
+                for row in data:
+                    row[j] = None if row[j] is None else str(row[j])
         self.run.log({name: self._wandb.Table(columns=cols, data=data)})
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:

@@ -19,7 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import hydra
 import numpy as np
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from baselines.admission import make_policy
 from knittrans.constraints import BatchConstraints
@@ -604,24 +607,13 @@ def _notes(cfg: StalenessConf, matched: dict[tuple, Matched | None]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _register() -> None:
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="staleness_schema", node=StalenessConf)
+ConfigStore.instance().store(name="staleness_schema", node=StalenessConf)
 
 
-def main() -> None:
-    import hydra
-    from omegaconf import OmegaConf
-
-    _register()
-
-    @hydra.main(config_path="conf", config_name="staleness", version_base=None)
-    def _app(dcfg) -> None:
-        cfg: StalenessConf = OmegaConf.to_object(dcfg)
-        run(cfg)
-
-    _app()
+@hydra.main(config_path="conf", config_name="staleness", version_base=None)
+def main(dcfg) -> None:
+    cfg: StalenessConf = OmegaConf.to_object(dcfg)
+    run(cfg)
 
 
 if __name__ == "__main__":
