@@ -60,6 +60,8 @@ class SystemConf:
     """Seconds per weight sync (both sides pause; scaled with prompts per batch in the reduced sweep)."""
     inflight: str = "continue"
     """In-flight requests at a sync: continue (keep oldest version) or abort (regenerate)."""
+    sync_k: int = 4
+    """With sync policy every_k: push weights every this many optimizer steps."""
 
 
 @dataclass
@@ -79,6 +81,7 @@ class DapoConf:
     budgets: list[float] = field(default_factory=lambda: [0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0])
     """In-flight budgets, in batches of groups (x 512 groups)."""
     syncs: list[str] = field(default_factory=lambda: ["every_step", "every_batch"])
+    """Weight-sync policies: every_step, every_k (system.sync_k), every_batch."""
     policies: list[str] = field(default_factory=lambda: ["knittrans", "clairvoyant", "train_batch",
                                                          "bounded_async", "greedy"])
     cdf_budget: float = 1.0
@@ -190,7 +193,8 @@ def _sim_config(p: Point) -> SimConfig:
         engine=EngineConfig(num_engines=max(1, round(s.num_engines * scale)), slots=s.slots, tpot=s.tpot,
                             load_alpha=s.load_alpha),
         trainer=TrainerConfig(step_overhead=s.step_overhead * scale, per_token=s.per_token),
-        sync=SyncConfig(policy=SyncPolicy(p.sync), cost=s.sync_cost * scale, inflight=Inflight(s.inflight)),
+        sync=SyncConfig(policy=SyncPolicy(p.sync), k=s.sync_k, cost=s.sync_cost * scale,
+                        inflight=Inflight(s.inflight)),
         flow=flow, colocated_switch_cost=s.sync_cost * scale, record_timeline=p.timeline)
 
 
