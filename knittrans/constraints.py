@@ -67,11 +67,16 @@ class BatchConstraints:
         for name in ("batch_size", "num_minibatches", "max_response_len", "dp_size"):
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{name} must be an int >= 1, got {v!r}")
-        need(isinstance(self.size_slack, int) and self.size_slack >= 0,
+        def is_int(v: object) -> bool:  # bool is an int subclass; a True where a count belongs is a bug
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        need(is_int(self.size_slack) and self.size_slack >= 0,
              f"size_slack must be an int >= 0, got {self.size_slack!r}")
         if self.group_size is not None:
-            need(isinstance(self.group_size, int) and self.group_size >= 1,
+            need(is_int(self.group_size) and self.group_size >= 1,
                  f"group_size must be an int >= 1 or None, got {self.group_size!r}")
+        need(self.token_budget is None or is_int(self.token_budget),
+             f"token_budget must be an int or None, got {self.token_budget!r}")
         if self.size_slack == 0:
             need(self.batch_size % self.num_minibatches == 0,
                  f"mini-batch size does not divide the batch: batch_size={self.batch_size} is not a multiple of "
@@ -88,6 +93,10 @@ class BatchConstraints:
         need(self.num_minibatches * sizes[0] <= self.batch_size <= self.num_minibatches * sizes[-1],
              f"unsatisfiable constraint set: batch_size={self.batch_size} cannot be split into "
              f"num_minibatches={self.num_minibatches} mini-batches with sizes in {sizes[0]}..{sizes[-1]}")
+        need(self.batch_size % self._step() == 0,
+             f"unsatisfiable constraint set: batch_size={self.batch_size} is not a multiple of {self._step()}, "
+             f"the step of the allowed mini-batch sizes {sizes} (dp_size={self.dp_size}"
+             + (f", group_size={self.group_size})" if self._unit_size() > 1 else ")"))
         if self.token_budget is not None:
             # Robust satisfiability: even if every response runs to max_response_len, the smallest allowed
             # mini-batch must fit the budget, or a batch of long responses could never be split.
@@ -96,6 +105,12 @@ class BatchConstraints:
                  f"mini-batch ({sizes[0]} trajectories) at max_response_len={self.max_response_len}; a batch of "
                  f"long responses could never be split. Raise token_budget, or allow smaller mini-batches with "
                  f"size_slack")
+            # ... and M mini-batches that fit the budget at max_response_len must be able to hold the batch.
+            fit = self.robust_sizes()
+            need(self.batch_size <= self.num_minibatches * fit[-1],
+                 f"unsatisfiable constraint set: token_budget={self.token_budget} holds at most {fit[-1]} "
+                 f"trajectories at max_response_len={self.max_response_len}, so num_minibatches="
+                 f"{self.num_minibatches} mini-batches cannot hold batch_size={self.batch_size} long responses")
 
     # -- derived quantities -------------------------------------------------------------------------------
 
@@ -119,11 +134,21 @@ class BatchConstraints:
         """Whether a mini-batch of ``size`` trajectories satisfies the size and data-parallel constraints."""
         return self.min_minibatch_size <= size <= self.max_minibatch_size and size % self.dp_size == 0
 
+    def _step(self) -> int:
+        return self._unit_size() * self.dp_size // gcd(self._unit_size(), self.dp_size)
+
     def allowed_sizes(self) -> list[int]:
         """Mini-batch sizes allowed by size, DP and (uniform, whole-group) group-size constraints."""
-        step = self._unit_size() * self.dp_size // gcd(self._unit_size(), self.dp_size)
+        step = self._step()
         lo = -(-self.min_minibatch_size // step) * step
         return list(range(lo, self.max_minibatch_size + 1, step))
+
+    def robust_sizes(self) -> list[int]:
+        """Allowed sizes whose mini-batch fits the token budget even with every response at max_response_len."""
+        sizes = self.allowed_sizes()
+        if self.token_budget is None:
+            return sizes
+        return [s for s in sizes if s * self.max_response_len <= self.token_budget]
 
     def tokens_ok(self, tokens: int) -> bool:
         return self.token_budget is None or tokens <= self.token_budget
@@ -146,7 +171,22 @@ class BatchConstraints:
         if self.size_slack == 0 and total != self.batch_size:
             raise ConstraintError(f"batch {plan.batch_id} holds {total} trajectories but batch_size="
                                   f"{self.batch_size} and mini-batch sizes are exact (size_slack=0)")
-        sizes = self.allowed_sizes()
-        if not (self.num_minibatches * sizes[0] <= total <= self.num_minibatches * sizes[-1]):
+        sizes = self.robust_sizes()
+        if not (self.num_minibatches * sizes[0] <= total <= self.num_minibatches * sizes[-1]) \
+                or total % self._step():
             raise ConstraintError(f"batch {plan.batch_id} holds {total} trajectories, which cannot be split into "
-                                  f"{self.num_minibatches} mini-batches with sizes in {sizes[0]}..{sizes[-1]}")
+                                  f"{self.num_minibatches} mini-batches with sizes in {sizes} (the allowed sizes "
+                                  f"that fit token_budget={self.token_budget} at max_response_len="
+                                  f"{self.max_response_len})")
+        if self.whole_groups:
+            # Whole groups make the split a bin-packing problem; reject a plan only on an exact INFEASIBLE (every
+            # response at max_response_len), so a plan too large to decide is still accepted.
+            from knittrans.admission.feasibility import Unit, Verdict, solve  # feasibility imports this module
+
+            L = self.max_response_len
+            units = [Unit(g.group_id, g.size, g.size * L, False, i) for i, g in enumerate(plan.groups)]
+            if solve(units, self.num_minibatches, self).verdict is Verdict.INFEASIBLE:
+                raise ConstraintError(
+                    f"batch {plan.batch_id}: its groups (sizes {sorted(g.size for g in plan.groups)}) cannot be "
+                    f"split whole into num_minibatches={self.num_minibatches} mini-batches with sizes in {sizes}"
+                    f" when every response runs to max_response_len={L} (whole_groups=True)")

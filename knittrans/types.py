@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NewType
 
 PolicyVersion = NewType("PolicyVersion", int)
@@ -116,8 +117,9 @@ class BatchPlan:
             _require(g.group_id not in seen, f"BatchPlan {self.batch_id}: duplicate group_id {g.group_id}")
             seen.add(g.group_id)
 
-    @property
+    @cached_property
     def num_trajectories(self) -> int:
+        # cached: admission reads it on every decision, and summing P groups each time made a batch O(P^2)
         return sum(g.size for g in self.groups)
 
 

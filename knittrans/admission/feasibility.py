@@ -40,6 +40,7 @@ from typing import Iterable, Sequence
 from knittrans.constraints import BatchConstraints
 
 DEFAULT_NODE_LIMIT = 20_000
+_MAX_DEPTH = 400  # the unit-level search recurses once per unit; Python's default stack allows ~1000 frames
 
 
 class Verdict(enum.Enum):
@@ -301,6 +302,10 @@ def _solve_tokens(units: Sequence[Unit], k: int, c: BatchConstraints, sizes: lis
                   node_limit: int) -> Solution:
     budget = c.token_budget
     assert budget is not None
+    if len(units) > _MAX_DEPTH:
+        # the search recurses once per unit: deeper than this it would overflow Python's stack (RecursionError)
+        # long before it could finish within node_limit, so go straight to the sound heuristic
+        return _tokens_heuristic(units, k, c, sizes)
     allowed = set(sizes)
     lo, hi = sizes[0], sizes[-1]
     order = sorted(units, key=lambda u: (-u.tokens, -u.size))

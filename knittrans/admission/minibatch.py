@@ -14,8 +14,10 @@ Guarantees:
   mini-batches, each within the constraints.
 - **Exact on small instances.** When a batch has at most ``exhaustive_max`` ready units and every rest check is
   exact, the policy enumerates every candidate mini-batch: it admits whenever *any* safe mini-batch exists.
-  Beyond that it tries a few principled candidates (FIFO, longest-first) and is sound but may wait where an
-  exhaustive search would not. ``stats.unknown`` counts checks that ran out of nodes.
+  Beyond that it tries a few principled candidates (FIFO, longest-first, then a ready-only bin of a witness
+  partition of everything that remains) and is sound but may wait where an exhaustive search would not; the
+  witness keeps it from stalling once everything has completed unless that search, too, runs out of nodes.
+  ``stats.unknown`` counts checks that ran out of nodes.
 - **Exactly once.** Units are consumed through the ledger, which refuses to consume anything twice.
 
 Cost: with uniform groups and no binding token budget (the DAPO-style case) the decision is closed-form and
@@ -137,6 +139,10 @@ class KnitTransAdmission:
         g = self.ledger.add(traj)
         if not self.constraints.whole_groups or g.complete:
             self._dirty = True  # a unit became ready
+        elif self.constraints.token_budget is not None:
+            # a partial group's token bound (known + missing * max_response_len) just dropped, which can make the
+            # rest of a candidate fit the budget: re-check even though no unit became ready
+            self._dirty = True
 
     def on_trainer_ready(self, now: float) -> list[MiniBatch]:
         b = self.ledger.current()
@@ -170,6 +176,17 @@ class KnitTransAdmission:
                 self._stats.unknown += 1
             if sol.feasible:
                 return self.ledger.commit(b, cand)
+        # Fallback (liveness beyond exhaustive_max): a witness partition of everything that remains. Any of its
+        # bins made only of ready units is safe to commit, because the other k - 1 bins are a valid split of the
+        # rest (pending units at their upper bounds). Without it a large batch could stall even after every unit
+        # had completed, when neither first-fit candidate leaves a splittable rest.
+        sol = solve(ready + pending, k, self.constraints, self.node_limit, want_witness=True)
+        if sol.verdict is Verdict.UNKNOWN:
+            self._stats.unknown += 1
+        if sol.feasible and sol.bins is not None:
+            for bn in sorted(sol.bins, key=lambda bn: max(u.order for u in bn)):
+                if all(u.ready for u in bn):
+                    return self.ledger.commit(b, list(bn))
         return None
 
     def _compose_uniform(self, b: BatchState, k: int) -> MiniBatch | None:
@@ -178,7 +195,10 @@ class KnitTransAdmission:
         c = self.constraints
         if c.whole_groups:
             g, ready_n = c.group_size, len(b.ready_groups)
-            remaining = sum(1 for x in b.groups.values() if not x.consumed)
+            assert g is not None
+            # groups are consumed whole and all have size g; counting consumed trajectories keeps this O(1) (a
+            # scan over the groups made every decision O(P), the whole batch O(P^2))
+            remaining = (b.plan.num_trajectories - len(b.consumed_traj)) // g
         else:
             g, ready_n = 1, len(b.ready_trajs)
             remaining = b.plan.num_trajectories - len(b.consumed_traj)
