@@ -123,6 +123,10 @@ class KnitTransAdmission:
         self.subset_limit = subset_limit
         self._stats = AdmissionStats()
         self._dirty = True  # something changed since the last attempt that committed nothing
+        # Whether the last failed attempt had a valid candidate among ready units whose rest was not provably
+        # feasible. Only then can a partial arrival (which lowers a pending group's token bound but makes no unit
+        # ready) change the answer.
+        self._blocked_by_rest = False
         c = constraints
         # closed form applies when tokens can never bind and every unit has the same size
         self._uniform = c.token_budget is None and (c.group_size is not None or not c.whole_groups)
@@ -139,7 +143,7 @@ class KnitTransAdmission:
         g = self.ledger.add(traj)
         if not self.constraints.whole_groups or g.complete:
             self._dirty = True  # a unit became ready
-        elif self.constraints.token_budget is not None:
+        elif self.constraints.token_budget is not None and self._blocked_by_rest:
             # a partial group's token bound (known + missing * max_response_len) just dropped, which can make the
             # rest of a candidate fit the budget: re-check even though no unit became ready
             self._dirty = True
@@ -168,7 +172,10 @@ class KnitTransAdmission:
             return None
         if k == 1:  # the last mini-batch takes everything that is left, once all of it has completed
             return self.ledger.commit(b, ready) if not pending and bin_ok(ready, self.constraints) else None
+        # beyond exhaustive_max not every valid bin is enumerated, so assume a partial arrival may matter
+        self._blocked_by_rest = len(ready) > self.exhaustive_max
         for cand in candidate_bins(ready, self.constraints, self.exhaustive_max, self.subset_limit):
+            self._blocked_by_rest = True
             keys = {u.key for u in cand}
             rest = [u for u in ready if u.key not in keys] + pending
             sol = solve(rest, k - 1, self.constraints, self.node_limit)
