@@ -38,6 +38,7 @@ test: $(STAMP)
 
 repro: $(STAMP)
 	@for t in $(TABLES); do echo "== repro.$$t"; $(PY) -m repro.$$t || exit 1; done
+	$(PY) -m repro.report
 
 bench: $(STAMP)
 	$(PY) -m pytest -q tests/bench --benchmark-enable --benchmark-only
