@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED := 1
 
 TABLES ?= staleness kernels
 
-.PHONY: all setup test test-fast repro bench clean
+.PHONY: all setup test gate repro bench clean
 
 all: test
 
@@ -35,6 +35,9 @@ setup: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
+
+gate: $(STAMP)
+	$(PY) -m repro.gate
 
 repro: $(STAMP)
 	@for t in $(TABLES); do echo "== repro.$$t"; $(PY) -m repro.$$t || exit 1; done
