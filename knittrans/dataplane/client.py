@@ -1,0 +1,209 @@
+"""The data-plane client: ``put`` for rollout, ``fetch`` for a trainer rank, the same on every transport.
+
+A producer writes to its local unit, then tells the controller (data first, then metadata, so metadata never
+points at bytes that are not there; a put the controller rejects is rolled back at the unit). A rank claims its
+share at the controller (metadata, exactly once), reads each trajectory from the unit that holds it, and packs
+the fields into ready-to-use tensors: ragged fields back to back with ``cu_seqlens`` (varlen layout, no
+padding), cast to the trainer's dtypes, pinned when a GPU will read them. That packing is the one copy the
+in-process transport makes; the Ray transport adds one copy into the object store.
+
+Example (in-process)::
+
+    >>> import numpy as np
+    >>> from knittrans.types import MiniBatch
+    >>> from knittrans.dataplane import FieldSpec, TrajectorySchema, TrajectoryPayload, build_inprocess
+    >>> schema = TrajectorySchema((FieldSpec("ids", "int64"),), token_field="ids")
+    >>> dp = build_inprocess(schema, unit_nodes={"u0": "n0"}, rank_nodes=("n0", "n0"))
+    >>> c = dp.client("u0")
+    >>> c.put([TrajectoryPayload(t, {"ids": np.arange(t + 1)}) for t in range(4)])
+    >>> _ = c.admit(MiniBatch(batch_id=0, index=0, traj_ids=(0, 1, 2, 3), group_ids=(0,), num_tokens=10))
+    >>> share = c.fetch(MiniBatch(0, 0, (0, 1, 2, 3), (0,), 10), rank=0, fields=("ids",))
+    >>> share.traj_ids, share["ids"].tolist(), share.fields["ids"].cu_seqlens.tolist()
+    ((0, 3), [0, 0, 1, 2, 3], [0, 1, 5])
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol, Sequence
+
+import numpy as np
+
+from knittrans.dataplane.types import (AdmittedMiniBatch, DataPlaneError, MiniBatchKey, PackedField,
+                                       PackedShare, PutRecord, SchemaMismatchError, ShareLocation,
+                                       TrajectoryPayload, TrajectorySchema, UnitChunk)
+from knittrans.types import MiniBatch
+
+
+class ControllerAPI(Protocol):
+    """What a client needs from a controller; ``Controller`` and the Ray proxy implement it."""
+
+    def register(self, records: Sequence[PutRecord]) -> None: ...
+    def admit(self, mb: MiniBatch) -> AdmittedMiniBatch: ...
+    def next_admitted(self, seq: int, timeout: float | None = None) -> AdmittedMiniBatch: ...
+    def claim(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> ShareLocation: ...
+    def claim_next(self, seq: int, rank: int, fields: Sequence[str],
+                   timeout: float | None = None) -> ShareLocation: ...
+    def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> tuple[tuple[str, tuple[int, ...]], ...]: ...
+
+
+class UnitAPI(Protocol):
+    """What a client needs from a storage unit; ``StorageUnit`` and the Ray proxy implement it."""
+
+    def put(self, payloads: Sequence[TrajectoryPayload]) -> list[PutRecord]: ...
+    def get(self, traj_ids: Sequence[int], fields: Sequence[str]) -> UnitChunk: ...
+    def drop(self, traj_ids: Sequence[int], fields: Sequence[str] | None = None) -> int: ...
+
+
+class UnitGetter(Protocol):
+    """Reads chunks from several units at once (the Ray transport issues every get before waiting on any)."""
+
+    def __call__(self, requests: Sequence[tuple[str, tuple[int, ...]]], fields: Sequence[str]) -> list[UnitChunk]: ...
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    """How a fetched share is prepared for the trainer."""
+
+    casts: tuple[tuple[str, str], ...] = ()
+    """(field, torch dtype name) pairs to cast on the consumer, e.g. (("advantages", "bfloat16"),)."""
+    pin_memory: bool = True
+    """Pin packed tensors when CUDA is available (ignored without a GPU), so the host-to-device copy is async."""
+
+
+@dataclass(frozen=True)
+class FetchTiming:
+    """Where the time of one fetch went (seconds): metadata claim, unit reads, packing."""
+
+    claim_s: float
+    read_s: float
+    pack_s: float
+
+
+def pack_share(loc: ShareLocation, chunks: Sequence[UnitChunk], schema: TrajectorySchema,
+               prepare: PrepareConfig = PrepareConfig()) -> PackedShare:
+    """Assemble the units' packed chunks into one tensor per field, in the share's trajectory order. A share
+    served by one unit (the local case) is used as delivered -- no copy unless it is read-only (an object-store
+    view); a share spread over several units costs one concatenation."""
+    import torch  # here, not at module top: producer, unit and controller processes never pay torch's import
+
+    casts = dict(prepare.casts)
+    pin = prepare.pin_memory and torch.cuda.is_available()
+    order = {t: i for i, t in enumerate(loc.traj_ids)}
+    out: dict[str, PackedField] = {}
+    tokens = 0
+    for name in loc.fields:
+        spec = schema.get(name)
+        parts = []  # (chunk values, per-trajectory row offsets) per chunk
+        for ch in chunks:
+            f = ch.fields.index(name)
+            lens = ch.lengths[f] if spec.ragged else np.ones(len(ch.traj_ids), dtype=np.int64)
+            offs = np.zeros(len(ch.traj_ids) + 1, dtype=np.int64)
+            np.cumsum(lens, out=offs[1:])
+            parts.append((ch, ch.values[f], offs))
+        if len(parts) == 1 and parts[0][0].traj_ids == loc.traj_ids:
+            values, offs = parts[0][1], parts[0][2]
+            if not values.flags.writeable:
+                values = values.copy()
+        else:
+            pieces: list[tuple[int, np.ndarray]] = []
+            for ch, vals, offs_c in parts:
+                pieces += [(order[t], vals[offs_c[i]:offs_c[i + 1]]) for i, t in enumerate(ch.traj_ids)]
+            pieces.sort(key=lambda x: x[0])
+            cols = [p for _, p in pieces]
+            values = np.concatenate(cols) if cols else np.zeros((0, *spec.tail), dtype=spec.dtype)
+            offs = np.zeros(len(cols) + 1, dtype=np.int64)
+            np.cumsum([c.shape[0] for c in cols], out=offs[1:])
+        cu = torch.from_numpy(offs.astype(np.int32)) if spec.ragged else None
+        if name == schema.token_field:
+            tokens = int(values.shape[0])
+        tensor = torch.from_numpy(values)
+        if name in casts:
+            tensor = tensor.to(getattr(torch, casts[name]))
+        if pin:
+            tensor = tensor.pin_memory()
+        out[name] = PackedField(name, tensor, cu)
+    return PackedShare(key=loc.key, rank=loc.rank, traj_ids=loc.traj_ids, fields=out, nbytes=loc.nbytes,
+                       num_tokens=tokens)
+
+
+@dataclass
+class DataPlaneClient:
+    """One process's handle on a data plane. ``local_unit`` is where this process's puts go (its node's unit)."""
+
+    controller: ControllerAPI
+    units: Mapping[str, UnitAPI]
+    schema: TrajectorySchema
+    local_unit: str | None = None
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    getter: UnitGetter | None = None  # None: read units one after another (fine in-process)
+    last_timing: FetchTiming | None = None
+
+    # -- rollout side ----------------------------------------------------------------------------------------
+
+    def put(self, payloads: Sequence[TrajectoryPayload], unit: str | None = None) -> None:
+        """Write trajectories' fields to ``unit`` (default: this client's local unit), then register them.
+        All-or-nothing per call."""
+        unit_id = unit or self.local_unit
+        if unit_id is None or unit_id not in self.units:
+            raise DataPlaneError(f"put needs a storage unit: got {unit_id!r}, known units {sorted(self.units)}")
+        if not payloads:
+            return
+        records = self.units[unit_id].put(payloads)
+        try:
+            self.controller.register(records)
+        except DataPlaneError:
+            # The unit accepted fields the controller refuses (e.g. the trajectory lives on another unit):
+            # take back exactly what this call added, so nothing stale stays behind.
+            for r in records:
+                self.units[unit_id].drop([r.traj_id], [f.name for f in r.fields])
+            raise
+
+    # -- admission -------------------------------------------------------------------------------------------
+
+    def admit(self, mb: MiniBatch) -> AdmittedMiniBatch:
+        return self.controller.admit(mb)
+
+    # -- trainer side ----------------------------------------------------------------------------------------
+
+    def fetch(self, minibatch: MiniBatch | MiniBatchKey, rank: int, fields: Sequence[str] | None = None) -> PackedShare:
+        """Rank ``rank``'s share of an admitted mini-batch, read directly from the units that hold it, packed.
+        ``fields`` defaults to every schema field. Raises ``UnknownMiniBatchError``, ``FieldNotProducedError``
+        or ``AlreadyConsumedError`` (``knittrans.dataplane.types``) before any byte moves."""
+        key = minibatch if isinstance(minibatch, MiniBatchKey) else MiniBatchKey(minibatch.batch_id, minibatch.index)
+        names = tuple(fields) if fields is not None else self.schema.names
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            raise SchemaMismatchError(f"rank must be an int, got {rank!r}")
+        t0 = time.perf_counter()
+        loc = self.controller.claim(key, rank, names)
+        return self._deliver(loc, t0)
+
+    def fetch_next(self, seq: int, rank: int, fields: Sequence[str] | None = None,
+                   timeout: float | None = None) -> PackedShare:
+        """Rank ``rank``'s share of the ``seq``-th admitted mini-batch, waiting (up to ``timeout``) for its
+        admission; ``TimeoutError`` (nothing claimed) if it is not admitted in time. What the prefetcher runs."""
+        names = tuple(fields) if fields is not None else self.schema.names
+        t0 = time.perf_counter()
+        loc = self.controller.claim_next(seq, rank, names, timeout)
+        return self._deliver(loc, t0)
+
+    def _deliver(self, loc: ShareLocation, t0: float) -> PackedShare:
+        """Read a claimed share from its units, pack it, ack it (after which fully consumed trajectories are
+        dropped at their units)."""
+        t1 = time.perf_counter()
+        requests: dict[str, list[int]] = {}
+        for t, u in zip(loc.traj_ids, loc.unit_ids):
+            requests.setdefault(u, []).append(t)
+        reqs = [(u, tuple(ts)) for u, ts in requests.items()]
+        if self.getter is not None:
+            chunks = self.getter(reqs, loc.fields)
+        else:
+            chunks = [self.units[u].get(ts, loc.fields) for u, ts in reqs]
+        t2 = time.perf_counter()
+        share = pack_share(loc, chunks, self.schema, self.prepare)
+        t3 = time.perf_counter()
+        self.last_timing = FetchTiming(t1 - t0, t2 - t1, t3 - t2)
+        for unit_id, ts in self.controller.ack(loc.key, loc.rank, loc.fields):
+            self.units[unit_id].drop(ts)
+        return share

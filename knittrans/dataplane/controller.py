@@ -1,0 +1,253 @@
+"""The controller: metadata only (where each field lives, what is produced, admitted and consumed).
+
+Why metadata only: in a single-controller design every byte crosses the controller (gather, repeat, split,
+scatter), so the controller's memory bandwidth bounds the whole handoff. Here the controller answers "which
+unit holds the trajectories of rank r's share" in a few hundred bytes and the bytes flow unit -> rank.
+
+State machine of one (mini-batch, rank, field): not admitted -> admitted -> claimed (exactly once) -> acked.
+When every rank has acked every produced field of an admitted mini-batch, its trajectories are released and the
+units may drop them. All state lives under one lock; ``next_admitted`` waits on a condition variable (no
+polling), which is how a prefetcher learns of the next mini-batch the moment it is admitted, and never before.
+
+Every method validates its whole request before it changes anything.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from knittrans.dataplane.assign import ShareItem, assign_shares
+from knittrans.dataplane.types import (AdmissionStateError, AdmittedMiniBatch, AlreadyConsumedError,
+                                       DataPlaneClosedError, DuplicatePutError, FieldNotProducedError,
+                                       MiniBatchKey, PutRecord, ShareLocation, TrajectorySchema,
+                                       UnknownMiniBatchError)
+from knittrans.types import MiniBatch
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """How the controller splits admitted mini-batches into shares."""
+
+    rank_nodes: tuple[str, ...]
+    """Node of each trainer rank, by rank (``len`` = number of ranks); ranks on a unit's node read it locally."""
+    balance_slack: float = 0.05
+    """Locality yields once a rank would exceed ``(1 + slack) * ideal`` tokens (see ``assign``)."""
+    equal_counts: bool = True
+    """Give every rank the same number of trajectories (+-1): DP ranks step on equal sample counts."""
+
+    def __post_init__(self) -> None:
+        if not self.rank_nodes:
+            raise ValueError("ControllerConfig.rank_nodes must name at least one rank's node")
+
+
+@dataclass
+class _TrajState:
+    unit_id: str
+    fields: dict[str, int] = field(default_factory=dict)  # produced field -> nbytes
+    num_tokens: int | None = None
+    admitted_in: MiniBatchKey | None = None
+
+
+@dataclass
+class _MiniBatchState:
+    admitted: AdmittedMiniBatch
+    claimed: set[tuple[int, str]] = field(default_factory=set)  # (rank, field)
+    acked: set[tuple[int, str]] = field(default_factory=set)
+    released: bool = False
+
+
+@dataclass(frozen=True)
+class ControllerStats:
+    """Counts for reports and tests."""
+
+    trajectories: int
+    admitted: int
+    claims: int
+    released_minibatches: int
+
+
+class Controller:
+    """Metadata of one data plane. ``unit_nodes`` maps each storage unit id to its node."""
+
+    def __init__(self, schema: TrajectorySchema, unit_nodes: Mapping[str, str], config: ControllerConfig) -> None:
+        if not unit_nodes:
+            raise ValueError("Controller needs at least one storage unit")
+        self.schema = schema
+        self.unit_nodes = dict(unit_nodes)
+        self.config = config
+        self._trajs: dict[int, _TrajState] = {}
+        self._mbs: dict[MiniBatchKey, _MiniBatchState] = {}
+        self._log: list[MiniBatchKey] = []
+        self._claims = 0
+        self._released = 0
+        self._closed = False
+        self._cv = threading.Condition()
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.config.rank_nodes)
+
+    # -- production ------------------------------------------------------------------------------------------
+
+    def register(self, records: Sequence[PutRecord]) -> None:
+        """Record that units hold these fields. All-or-nothing: a duplicate field, or a trajectory whose fields
+        would span two units, rejects the whole call."""
+        with self._cv:
+            seen: set[tuple[int, str]] = set()
+            for r in records:
+                if r.unit_id not in self.unit_nodes:
+                    raise AdmissionStateError(f"put of trajectory {r.traj_id} to unknown unit {r.unit_id!r}")
+                st = self._trajs.get(r.traj_id)
+                if st is not None and st.unit_id != r.unit_id:
+                    raise DuplicatePutError(f"trajectory {r.traj_id} lives on unit {st.unit_id!r}; a put to unit "
+                                            f"{r.unit_id!r} would split it across units")
+                if st is not None and st.admitted_in is not None and self._mbs[st.admitted_in].released:
+                    # A field may arrive after admission (e.g. logprobs from a later pass), but not once every
+                    # rank has consumed the mini-batch and its units dropped it.
+                    raise DuplicatePutError(f"trajectory {r.traj_id} was consumed and released with "
+                                            f"{st.admitted_in}; it takes no more fields")
+                for fm in r.fields:
+                    if (st is not None and fm.name in st.fields) or (r.traj_id, fm.name) in seen:
+                        raise DuplicatePutError(f"field {fm.name!r} of trajectory {r.traj_id} was already "
+                                                f"produced (each field is produced exactly once)")
+                    seen.add((r.traj_id, fm.name))
+            for r in records:
+                st = self._trajs.setdefault(r.traj_id, _TrajState(unit_id=r.unit_id))
+                st.fields.update({fm.name: fm.nbytes for fm in r.fields})
+                if r.num_tokens is not None:
+                    st.num_tokens = r.num_tokens
+
+    # -- admission -------------------------------------------------------------------------------------------
+
+    def admit(self, mb: MiniBatch) -> AdmittedMiniBatch:
+        """Admit a mini-batch (the admission policy committed it) and split it into per-rank shares."""
+        key = MiniBatchKey(mb.batch_id, mb.index)
+        with self._cv:
+            if self._closed:
+                raise DataPlaneClosedError("controller is closed")
+            if key in self._mbs:
+                raise AdmissionStateError(f"mini-batch {key} was already admitted")
+            if len(set(mb.traj_ids)) != len(mb.traj_ids):
+                raise AdmissionStateError(f"mini-batch {key} lists a trajectory twice: {mb.traj_ids}")
+            items = []
+            for t in mb.traj_ids:
+                st = self._trajs.get(t)
+                if st is None or st.num_tokens is None:
+                    raise AdmissionStateError(f"mini-batch {key}: trajectory {t} was never put (its token field "
+                                              f"{self.schema.token_field!r} is unknown)")
+                if st.admitted_in is not None:
+                    raise AdmissionStateError(f"mini-batch {key}: trajectory {t} is already in {st.admitted_in}")
+                items.append(ShareItem(t, st.num_tokens, self.unit_nodes[st.unit_id]))
+            shares = assign_shares(items, self.config.rank_nodes, self.config.balance_slack,
+                                   self.config.equal_counts)
+            tokens = tuple(sum(self._trajs[t].num_tokens or 0 for t in s) for s in shares)
+            local = sum(1 for r, s in enumerate(shares) for t in s
+                        if self.unit_nodes[self._trajs[t].unit_id] == self.config.rank_nodes[r])
+            adm = AdmittedMiniBatch(key=key, seq=len(self._log), traj_ids=tuple(mb.traj_ids), shares=shares,
+                                    share_tokens=tokens, local_fraction=local / max(1, len(items)))
+            for t in mb.traj_ids:
+                self._trajs[t].admitted_in = key
+            self._mbs[key] = _MiniBatchState(adm)
+            self._log.append(key)
+            self._cv.notify_all()
+            return adm
+
+    def next_admitted(self, seq: int, timeout: float | None = None) -> AdmittedMiniBatch:
+        """The ``seq``-th admitted mini-batch, waiting until it is admitted. Raises ``TimeoutError`` after
+        ``timeout`` seconds, ``DataPlaneClosedError`` if the controller closes first."""
+        with self._cv:
+            ok = self._cv.wait_for(lambda: self._closed or len(self._log) > seq, timeout=timeout)
+            if len(self._log) > seq:
+                return self._mbs[self._log[seq]].admitted
+            if self._closed:
+                raise DataPlaneClosedError(f"controller closed before mini-batch #{seq} was admitted")
+            assert not ok
+            raise TimeoutError(f"no mini-batch #{seq} admitted within {timeout} s")
+
+    def admitted(self, key: MiniBatchKey) -> AdmittedMiniBatch:
+        with self._cv:
+            st = self._mbs.get(key)
+            if st is None:
+                raise UnknownMiniBatchError(f"mini-batch {key} was never admitted")
+            return st.admitted
+
+    # -- consumption -----------------------------------------------------------------------------------------
+
+    def claim(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> ShareLocation:
+        """Hand rank ``rank`` the locations of its share's ``fields``, exactly once per (mini-batch, rank,
+        field)."""
+        with self._cv:
+            st = self._mbs.get(key)
+            if st is None:
+                raise UnknownMiniBatchError(f"mini-batch {key} was never admitted (admitted: "
+                                            f"{sorted((k.batch_id, k.index) for k in self._mbs)[-8:]} ...)")
+            if not 0 <= rank < self.num_ranks:
+                raise AdmissionStateError(f"rank {rank} out of range: this data plane has {self.num_ranks} ranks")
+            if not fields or len(set(fields)) != len(fields):
+                raise FieldNotProducedError(f"fetch of {key} rank {rank}: fields must be non-empty and distinct, "
+                                            f"got {list(fields)}")
+            for name in fields:
+                self.schema.get(name)  # raises FieldNotProducedError for a field outside the schema
+            traj_ids = st.admitted.shares[rank]
+            nbytes = 0
+            for t in traj_ids:
+                produced = self._trajs[t].fields
+                for name in fields:
+                    if name not in produced:
+                        raise FieldNotProducedError(f"fetch of {key} rank {rank}: field {name!r} of trajectory {t} "
+                                                    f"was never produced")
+                    nbytes += produced[name]
+            done = [name for name in fields if (rank, name) in st.claimed]
+            if done:
+                raise AlreadyConsumedError(f"rank {rank} already fetched {done} of mini-batch {key} (exactly-once "
+                                           f"delivery)")
+            st.claimed.update((rank, name) for name in fields)
+            self._claims += 1
+            return ShareLocation(key=key, rank=rank, traj_ids=traj_ids,
+                                 unit_ids=tuple(self._trajs[t].unit_id for t in traj_ids), fields=tuple(fields),
+                                 nbytes=nbytes)
+
+    def claim_next(self, seq: int, rank: int, fields: Sequence[str], timeout: float | None = None) -> ShareLocation:
+        """Wait for the ``seq``-th admitted mini-batch, then claim rank ``rank``'s share of it (one round trip
+        for a prefetcher on a remote controller). ``TimeoutError`` if it is not admitted in time; nothing is
+        claimed then."""
+        adm = self.next_admitted(seq, timeout)
+        return self.claim(adm.key, rank, fields)
+
+    def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """Rank ``rank`` holds its ``fields``. Returns ``(unit_id, traj_ids)`` pairs the units may now drop:
+        non-empty exactly once, when the last rank acks the last produced field of the mini-batch."""
+        with self._cv:
+            st = self._mbs.get(key)
+            if st is None:
+                raise UnknownMiniBatchError(f"ack for mini-batch {key}, which was never admitted")
+            missing = [n for n in fields if (rank, n) not in st.claimed]
+            if missing:
+                raise AdmissionStateError(f"ack of {missing} for {key} rank {rank} without a claim")
+            st.acked.update((rank, n) for n in fields)
+            if st.released:
+                return ()
+            for r, share in enumerate(st.admitted.shares):
+                produced = set.intersection(*(set(self._trajs[t].fields) for t in share)) if share else set()
+                if any((r, n) not in st.acked for n in produced):
+                    return ()
+            st.released = True
+            self._released += 1
+            by_unit: dict[str, list[int]] = {}
+            for t in st.admitted.traj_ids:
+                by_unit.setdefault(self._trajs[t].unit_id, []).append(t)
+            return tuple((u, tuple(ts)) for u, ts in sorted(by_unit.items()))
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wake every waiter with ``DataPlaneClosedError``; later admissions are refused."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def stats(self) -> ControllerStats:
+        with self._cv:
+            return ControllerStats(len(self._trajs), len(self._log), self._claims, self._released)

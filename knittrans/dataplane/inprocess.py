@@ -1,0 +1,40 @@
+"""The in-process transport (the embedded default): controller and units are plain objects in this process.
+
+Zero-copy: a unit stores the producer's arrays by reference and hands the same arrays to the fetching rank,
+which packs them (the one copy a ready-to-use tensor needs). Producers and ranks are threads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from knittrans.dataplane.client import DataPlaneClient, PrepareConfig
+from knittrans.dataplane.controller import Controller, ControllerConfig
+from knittrans.dataplane.storage import StorageUnit
+from knittrans.dataplane.types import TrajectorySchema
+
+
+@dataclass
+class InProcessDataPlane:
+    """A controller and its units in this process; ``client(unit)`` gives a producer or rank its handle."""
+
+    schema: TrajectorySchema
+    controller: Controller
+    units: dict[str, StorageUnit]
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+
+    def client(self, local_unit: str | None = None) -> DataPlaneClient:
+        return DataPlaneClient(self.controller, self.units, self.schema, local_unit, self.prepare)
+
+    def close(self) -> None:
+        self.controller.close()
+
+
+def build_inprocess(schema: TrajectorySchema, unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...],
+                    balance_slack: float = 0.05, equal_counts: bool = True,
+                    prepare: PrepareConfig | None = None) -> InProcessDataPlane:
+    """One unit per ``unit_nodes`` entry (unit id -> node), ``len(rank_nodes)`` trainer ranks."""
+    ctrl = Controller(schema, unit_nodes, ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts))
+    units = {u: StorageUnit(u, n, schema) for u, n in unit_nodes.items()}
+    return InProcessDataPlane(schema, ctrl, units, prepare or PrepareConfig())

@@ -1,0 +1,215 @@
+"""The Ray transport: storage units and the controller as Ray actors, behind the same client API.
+
+Why Ray: producers and trainer ranks are separate processes (and, on a cluster, separate nodes); Ray's object
+store moves numpy arrays between them with one copy into shared memory and zero-copy reads on the same node.
+A unit actor's ``get`` returns the stored arrays; Ray writes them once into the object store of the unit's node
+and the rank maps them (same node) or pulls them node to node (different node) -- never through a driver.
+
+The controller actor is threaded (``max_concurrency``), so a prefetcher blocked in ``next_admitted`` (a
+condition-variable wait inside the actor) does not stall claims, puts or admissions from other callers.
+
+Multi-node: start Ray on the cluster (``ray start --head`` on one node, ``ray start --address=HEAD:6379`` on the
+others), call ``ray.init(address="auto")`` in the driver, and name units and ranks by Ray node id
+(``ray.nodes()[i]["NodeID"]``): a unit whose node is a live Ray node id is pinned there with
+``NodeAffinitySchedulingStrategy``, so its producers' writes and its local ranks' reads stay on that node. Any
+other node string is a logical label (one machine, several "nodes"), which is how the tests run.
+
+    >>> # dp = build_ray(TEXT_SCHEMA, {"u0": "n0", "u1": "n1"}, rank_nodes=("n0", "n1"))
+    >>> # client = dp.client("u0")  # picklable: pass it (or dp) to producer and trainer actors
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import ray
+
+from knittrans.dataplane.client import DataPlaneClient, PrepareConfig
+from knittrans.dataplane.controller import Controller, ControllerConfig, ControllerStats
+from knittrans.dataplane.storage import StorageUnit, UnitStats
+from knittrans.dataplane.types import (AdmittedMiniBatch, DataPlaneClosedError, DataPlaneError, MiniBatchKey,
+                                       PutRecord, ShareLocation, TrajectoryPayload, TrajectorySchema, UnitChunk)
+from knittrans.types import MiniBatch
+
+
+@ray.remote(num_cpus=0, max_concurrency=8)
+class StorageUnitActor:
+    """A ``StorageUnit`` in its own process (threaded: several ranks read at once)."""
+
+    def __init__(self, unit_id: str, node: str, schema: TrajectorySchema) -> None:
+        self.unit = StorageUnit(unit_id, node, schema)
+
+    def put(self, payloads: Sequence[TrajectoryPayload]) -> list[PutRecord]:
+        return self.unit.put(payloads)
+
+    def get(self, traj_ids: Sequence[int], fields: Sequence[str]) -> UnitChunk:
+        return self.unit.get(traj_ids, fields)
+
+    def drop(self, traj_ids: Sequence[int], fields: Sequence[str] | None = None) -> int:
+        return self.unit.drop(traj_ids, fields)
+
+    def stats(self) -> UnitStats:
+        return self.unit.stats()
+
+
+@ray.remote(num_cpus=0, max_concurrency=64)
+class ControllerActor:
+    """A ``Controller`` in its own process; threaded so blocking waits do not serialize other calls."""
+
+    def __init__(self, schema: TrajectorySchema, unit_nodes: Mapping[str, str], config: ControllerConfig,
+                 unit_actors: Mapping[str, "ray.actor.ActorHandle"]) -> None:
+        self.ctrl = Controller(schema, unit_nodes, config)
+        self.unit_actors = dict(unit_actors)
+
+    def register(self, records: Sequence[PutRecord]) -> None:
+        self.ctrl.register(records)
+
+    def admit(self, mb: MiniBatch) -> AdmittedMiniBatch:
+        return self.ctrl.admit(mb)
+
+    def next_admitted(self, seq: int, timeout: float | None = None) -> AdmittedMiniBatch:
+        return self.ctrl.next_admitted(seq, timeout)
+
+    def claim(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> ShareLocation:
+        return self.ctrl.claim(key, rank, fields)
+
+    def claim_next(self, seq: int, rank: int, fields: Sequence[str], timeout: float | None = None) -> ShareLocation:
+        return self.ctrl.claim_next(seq, rank, fields, timeout)
+
+    def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> None:
+        """Record the ack and, when it completes the mini-batch, tell the units to drop it (from here, so the
+        rank's ack is one fire-and-forget message off its critical path)."""
+        for unit_id, ts in self.ctrl.ack(key, rank, fields):
+            self.unit_actors[unit_id].drop.remote(ts)
+
+    def close(self) -> None:
+        self.ctrl.close()
+
+    def stats(self) -> ControllerStats:
+        return self.ctrl.stats()
+
+
+def _call(ref: "ray.ObjectRef"):  # noqa: ANN202
+    """``ray.get`` that re-raises a data-plane error raised inside an actor as itself (same class, same
+    message), so callers catch ``AlreadyConsumedError`` etc. on every transport alike."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, (DataPlaneError, DataPlaneClosedError, TimeoutError)):
+            raise e.cause from None
+        raise
+
+
+@dataclass(frozen=True)
+class RayControllerProxy:
+    """``ControllerAPI`` over a ``ControllerActor`` handle (picklable: travels to any actor)."""
+
+    actor: "ray.actor.ActorHandle"
+
+    def register(self, records: Sequence[PutRecord]) -> None:
+        _call(self.actor.register.remote(records))
+
+    def admit(self, mb: MiniBatch) -> AdmittedMiniBatch:
+        return _call(self.actor.admit.remote(mb))
+
+    def next_admitted(self, seq: int, timeout: float | None = None) -> AdmittedMiniBatch:
+        return _call(self.actor.next_admitted.remote(seq, timeout))
+
+    def claim(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> ShareLocation:
+        return _call(self.actor.claim.remote(key, rank, tuple(fields)))
+
+    def claim_next(self, seq: int, rank: int, fields: Sequence[str], timeout: float | None = None) -> ShareLocation:
+        return _call(self.actor.claim_next.remote(seq, rank, tuple(fields), timeout))
+
+    def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        # Fire and forget: the controller actor drops released trajectories at their units itself; an ack
+        # follows its own claim from this client, so it cannot be rejected.
+        self.actor.ack.remote(key, rank, tuple(fields))
+        return ()
+
+
+@dataclass(frozen=True)
+class RayUnitProxy:
+    """``UnitAPI`` over a ``StorageUnitActor`` handle."""
+
+    actor: "ray.actor.ActorHandle"
+
+    def put(self, payloads: Sequence[TrajectoryPayload]) -> list[PutRecord]:
+        return _call(self.actor.put.remote(list(payloads)))
+
+    def get(self, traj_ids: Sequence[int], fields: Sequence[str]) -> UnitChunk:
+        return _call(self.actor.get.remote(tuple(traj_ids), tuple(fields)))
+
+    def drop(self, traj_ids: Sequence[int], fields: Sequence[str] | None = None) -> int:
+        # Fire and forget: freeing memory is off the critical path; ordering per actor keeps it after the reads.
+        self.actor.drop.remote(tuple(traj_ids), None if fields is None else tuple(fields))
+        return 0
+
+
+@dataclass(frozen=True)
+class ParallelRayGetter:
+    """Issues every unit read before waiting on any, so reads from several units overlap."""
+
+    units: Mapping[str, RayUnitProxy]
+
+    def __call__(self, requests: Sequence[tuple[str, tuple[int, ...]]], fields: Sequence[str]) -> list[UnitChunk]:
+        refs = [self.units[u].actor.get.remote(ts, tuple(fields)) for u, ts in requests]
+        return [_call(r) for r in refs]
+
+
+def _node_affinity(node: str):  # noqa: ANN202 - a Ray scheduling strategy, or None for a logical label
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    if node in alive:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+    return None
+
+
+@dataclass
+class RayDataPlane:
+    """Handles on the actors of one Ray data plane; picklable, so it can be passed to producer/rank actors."""
+
+    schema: TrajectorySchema
+    controller_actor: "ray.actor.ActorHandle"
+    unit_actors: dict[str, "ray.actor.ActorHandle"]
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+
+    def client(self, local_unit: str | None = None) -> DataPlaneClient:
+        units = {u: RayUnitProxy(a) for u, a in self.unit_actors.items()}
+        return DataPlaneClient(RayControllerProxy(self.controller_actor), units, self.schema, local_unit,
+                               self.prepare, getter=ParallelRayGetter(units))
+
+    def unit_stats(self) -> list[UnitStats]:
+        return ray.get([a.stats.remote() for a in self.unit_actors.values()])
+
+    def controller_stats(self) -> ControllerStats:
+        return ray.get(self.controller_actor.stats.remote())
+
+    def close(self) -> None:
+        """Wake waiters, then end the actors."""
+        try:
+            ray.get(self.controller_actor.close.remote(), timeout=10)
+        finally:
+            for a in [self.controller_actor, *self.unit_actors.values()]:
+                ray.kill(a)
+
+
+def build_ray(schema: TrajectorySchema, unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...],
+              balance_slack: float = 0.05, equal_counts: bool = True,
+              prepare: PrepareConfig | None = None) -> RayDataPlane:
+    """Start one ``StorageUnitActor`` per unit (pinned to its node when the node is a Ray node id) and one
+    ``ControllerActor``. Ray must already be initialized."""
+    if not ray.is_initialized():
+        raise RuntimeError("build_ray: call ray.init(...) first (see the module docstring for clusters)")
+    cfg = ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts)
+    units = {}
+    for u, node in unit_nodes.items():
+        strategy = _node_affinity(node)
+        opts = {"scheduling_strategy": strategy} if strategy is not None else {}
+        units[u] = StorageUnitActor.options(**opts).remote(u, node, schema)
+    ctrl = ControllerActor.remote(schema, dict(unit_nodes), cfg, units)
+    dp = RayDataPlane(schema, ctrl, units, prepare or PrepareConfig())
+    ray.get([ctrl.stats.remote(), *(a.stats.remote() for a in units.values())])  # wait until all are up
+    return dp

@@ -1,0 +1,132 @@
+"""A storage unit: field tensors of the trajectories written by the producers on its node.
+
+Why a unit per node: a producer writes to memory next to it (no hop through a controller), and a trainer rank
+on the same node reads through memory. The unit is dumb on purpose: it validates against the schema, refuses
+to overwrite a field (so a duplicate put can never corrupt a delivered tensor), hands out references to what it
+holds, and forgets trajectories the controller says are fully consumed. All metadata decisions are the
+controller's.
+
+Thread-safe: producers and fetching ranks call it concurrently (a lock guards the index; tensors are immutable
+once stored).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from knittrans.dataplane.types import (DuplicatePutError, FieldMeta, FieldNotProducedError, PutRecord,
+                                       SchemaMismatchError, TrajectoryPayload, TrajectorySchema, UnitChunk,
+                                       as_numpy)
+
+
+@dataclass(frozen=True)
+class UnitStats:
+    """Occupancy of a unit: trajectories and payload bytes it holds now."""
+
+    unit_id: str
+    num_trajectories: int
+    nbytes: int
+
+
+def validate_payload(schema: TrajectorySchema, p: TrajectoryPayload) -> dict[str, np.ndarray]:
+    """Schema-check one payload and return its fields as numpy arrays; raises before anything is stored."""
+    if not isinstance(p.traj_id, int) or isinstance(p.traj_id, bool) or p.traj_id < 0:
+        raise SchemaMismatchError(f"traj_id must be an int >= 0, got {p.traj_id!r}")
+    if not p.tensors:
+        raise SchemaMismatchError(f"trajectory {p.traj_id}: a put must carry at least one field")
+    out: dict[str, np.ndarray] = {}
+    for name, value in p.tensors.items():
+        if name not in schema.names:
+            raise SchemaMismatchError(f"trajectory {p.traj_id}: field {name!r} is not in the schema "
+                                      f"(fields: {list(schema.names)})")
+        arr = as_numpy(p.traj_id, name, value)
+        schema.get(name).check(p.traj_id, arr)
+        out[name] = arr
+    return out
+
+
+class StorageUnit:
+    """Holds ``traj_id -> field -> array``; the in-process transport uses it directly, the Ray transport wraps
+    it in an actor (``knittrans.dataplane.ray_transport``)."""
+
+    def __init__(self, unit_id: str, node: str, schema: TrajectorySchema) -> None:
+        self.unit_id = unit_id
+        self.node = node
+        self.schema = schema
+        self._data: dict[int, dict[str, np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def put(self, payloads: Sequence[TrajectoryPayload]) -> list[PutRecord]:
+        """Store every payload or none: all are validated (schema, duplicates within the call and against
+        what is stored) before the first is stored."""
+        checked = [validate_payload(self.schema, p) for p in payloads]
+        seen: set[tuple[int, str]] = set()
+        with self._lock:
+            for p, arrs in zip(payloads, checked):
+                held = self._data.get(p.traj_id, {})
+                for name in arrs:
+                    if name in held or (p.traj_id, name) in seen:
+                        raise DuplicatePutError(f"unit {self.unit_id}: field {name!r} of trajectory {p.traj_id} "
+                                                f"was already written (each field is produced exactly once)")
+                    seen.add((p.traj_id, name))
+            records = []
+            for p, arrs in zip(payloads, checked):
+                self._data.setdefault(p.traj_id, {}).update(arrs)
+                tok = arrs.get(self.schema.token_field)
+                records.append(PutRecord(
+                    traj_id=p.traj_id, unit_id=self.unit_id,
+                    fields=tuple(FieldMeta(n, int(a.nbytes), int(a.shape[0]) if a.ndim else 1)
+                                 for n, a in arrs.items()),
+                    num_tokens=None if tok is None else int(tok.shape[0])))
+        return records
+
+    def get(self, traj_ids: Sequence[int], fields: Sequence[str]) -> UnitChunk:
+        """The requested fields packed per field, in ``traj_ids`` order (the one copy a ready-to-use tensor
+        needs; see ``UnitChunk``)."""
+        with self._lock:
+            cols = []
+            for name in fields:
+                col = []
+                for t in traj_ids:
+                    try:
+                        col.append(self._data[t][name])
+                    except KeyError:
+                        raise FieldNotProducedError(f"unit {self.unit_id} holds no field {name!r} of trajectory "
+                                                    f"{t}") from None
+                cols.append(col)
+        values, lengths = [], []
+        for name, col in zip(fields, cols):  # arrays are immutable once stored: pack outside the lock
+            spec = self.schema.get(name)
+            empty = np.zeros((0, *spec.tail), dtype=spec.dtype)
+            if spec.ragged:
+                values.append(np.concatenate(col) if col else empty)
+                lengths.append(np.fromiter((a.shape[0] for a in col), dtype=np.int64, count=len(col)))
+            else:
+                values.append(np.stack(col) if col else empty)
+                lengths.append(None)
+        return UnitChunk(self.unit_id, tuple(traj_ids), tuple(fields), tuple(values), tuple(lengths))
+
+    def drop(self, traj_ids: Sequence[int], fields: Sequence[str] | None = None) -> int:
+        """Forget ``fields`` (all when None) of ``traj_ids``; returns the bytes freed. Unknown ids are ignored
+        (drop is idempotent: it runs after consumption, or to roll back a rejected put)."""
+        freed = 0
+        with self._lock:
+            for t in traj_ids:
+                held = self._data.get(t)
+                if held is None:
+                    continue
+                for name in list(held) if fields is None else fields:
+                    arr = held.pop(name, None)
+                    freed += 0 if arr is None else int(arr.nbytes)
+                if not held:
+                    del self._data[t]
+        return freed
+
+    def stats(self) -> UnitStats:
+        with self._lock:
+            return UnitStats(self.unit_id, len(self._data),
+                             sum(int(a.nbytes) for d in self._data.values() for a in d.values()))

@@ -1,0 +1,234 @@
+"""Typed messages and errors of the data plane: schemas, placement records, shares, packed tensors.
+
+Vocabulary (used in every module of ``knittrans.dataplane``):
+
+- A **field** is one named tensor per trajectory (``input_ids``, ``old_logprobs`` ...). A *ragged* field's first
+  dimension varies per trajectory (its length); the remaining dimensions (``tail``) are fixed by the schema.
+- A **storage unit** holds field tensors for the trajectories its producers wrote; it lives on a **node**.
+- The **controller** holds metadata only: which unit holds each trajectory, which fields were produced, which
+  mini-batches are admitted, how each is split into per-rank **shares**, and which (mini-batch, rank, field)
+  has been consumed. It never touches tensor bytes.
+- A **share** is the part of an admitted mini-batch that one trainer rank consumes.
+
+Every error is a subclass of ``DataPlaneError`` (a ``ValueError``) whose message names the offending id or
+field; an operation that raises leaves every store and every piece of metadata as it was (nothing corrupted,
+nothing lost).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import sys
+from typing import TYPE_CHECKING, Mapping
+
+import numpy as np
+
+if TYPE_CHECKING:  # torch is imported only where tensors are built: unit and controller processes never load it
+    import torch
+
+
+class DataPlaneError(ValueError):
+    """A request the data plane rejects; no state was changed."""
+
+
+class SchemaMismatchError(DataPlaneError):
+    """A put whose fields, dtypes or shapes do not match the trajectory schema."""
+
+
+class DuplicatePutError(DataPlaneError):
+    """A field of a trajectory written twice (every field is produced exactly once)."""
+
+
+class UnknownMiniBatchError(DataPlaneError):
+    """A fetch or claim for a mini-batch that was never admitted."""
+
+
+class FieldNotProducedError(DataPlaneError):
+    """A fetch of a field the schema does not declare, or that some trajectory of the share never produced."""
+
+
+class AlreadyConsumedError(DataPlaneError):
+    """A second fetch of a (mini-batch, rank, field) share: delivery is exactly once."""
+
+
+class AdmissionStateError(DataPlaneError):
+    """An admission the controller cannot accept (unknown trajectory, trajectory admitted twice ...)."""
+
+
+class DataPlaneClosedError(RuntimeError):
+    """The data plane was closed while a caller waited on it."""
+
+
+@dataclass(frozen=True, slots=True)
+class FieldSpec:
+    """One per-trajectory tensor. ``dtype`` is a numpy dtype name; ``ragged`` fields have a per-trajectory
+    first dimension; ``tail`` is the fixed shape after it (or the whole shape when not ragged)."""
+
+    name: str
+    dtype: str
+    ragged: bool = True
+    tail: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise SchemaMismatchError(f"FieldSpec.name must be a non-empty str, got {self.name!r}")
+        try:
+            np.dtype(self.dtype)
+        except TypeError as e:
+            raise SchemaMismatchError(f"FieldSpec {self.name}: unknown dtype {self.dtype!r}") from e
+
+    def check(self, traj_id: int, value: np.ndarray) -> None:
+        """Raise ``SchemaMismatchError`` unless ``value`` is an array of this field's dtype and shape."""
+        if value.dtype != np.dtype(self.dtype):
+            raise SchemaMismatchError(f"trajectory {traj_id}: field {self.name!r} has dtype {value.dtype}, "
+                                      f"schema says {self.dtype}")
+        want_ndim = len(self.tail) + (1 if self.ragged else 0)
+        shape = tuple(value.shape)
+        if len(shape) != want_ndim or shape[len(shape) - len(self.tail):] != self.tail:
+            lead = "(n, " if self.ragged else "("
+            raise SchemaMismatchError(f"trajectory {traj_id}: field {self.name!r} has shape {shape}, schema says "
+                                      f"{lead}{', '.join(map(str, self.tail))})")
+
+
+@dataclass(frozen=True)
+class TrajectorySchema:
+    """The fields every trajectory may carry. ``token_field`` is the ragged field whose length counts a
+    trajectory's tokens (what trainer compute scales with, and what shares are balanced on)."""
+
+    fields: tuple[FieldSpec, ...]
+    token_field: str
+
+    def __post_init__(self) -> None:
+        names = [f.name for f in self.fields]
+        if len(set(names)) != len(names):
+            raise SchemaMismatchError(f"TrajectorySchema: duplicate field names in {names}")
+        spec = self.get(self.token_field) if self.token_field in names else None
+        if spec is None or not spec.ragged:
+            raise SchemaMismatchError(f"TrajectorySchema.token_field {self.token_field!r} must name a ragged field "
+                                      f"of {names}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields)
+
+    def get(self, name: str) -> FieldSpec:
+        for f in self.fields:
+            if f.name == name:
+                return f
+        raise FieldNotProducedError(f"field {name!r} is not in the schema (fields: {list(self.names)})")
+
+
+def as_numpy(traj_id: int, name: str, value: object) -> np.ndarray:
+    """A CPU numpy view of ``value`` (no copy for numpy arrays and CPU tensors)."""
+    if isinstance(value, np.ndarray):
+        return value
+    torch = sys.modules.get("torch")  # a tensor can only exist if torch is already imported
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.detach().cpu().numpy()
+    raise SchemaMismatchError(f"trajectory {traj_id}: field {name!r} must be a numpy array or torch tensor, "
+                              f"got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class TrajectoryPayload:
+    """What a producer writes for one trajectory: some (or all) schema fields, each exactly once."""
+
+    traj_id: int
+    tensors: Mapping[str, np.ndarray]
+
+
+@dataclass(frozen=True, slots=True)
+class FieldMeta:
+    """Size of one produced field of one trajectory (metadata the controller keeps; never the bytes)."""
+
+    name: str
+    nbytes: int
+    length: int
+
+
+@dataclass(frozen=True)
+class PutRecord:
+    """A unit's report that it now holds ``fields`` of ``traj_id``."""
+
+    traj_id: int
+    unit_id: str
+    fields: tuple[FieldMeta, ...]
+    num_tokens: int | None  # length of the token field, if this put carried it
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class MiniBatchKey:
+    """Identifies an admitted mini-batch: the ``index``-th mini-batch of training batch ``batch_id``."""
+
+    batch_id: int
+    index: int
+
+
+@dataclass(frozen=True)
+class AdmittedMiniBatch:
+    """An admitted mini-batch and its split into shares: ``shares[r]`` are the trajectory ids rank ``r``
+    consumes. ``seq`` is the admission order (the order trainer ranks consume mini-batches in)."""
+
+    key: MiniBatchKey
+    seq: int
+    traj_ids: tuple[int, ...]
+    shares: tuple[tuple[int, ...], ...]
+    share_tokens: tuple[int, ...]
+    local_fraction: float  # fraction of trajectories whose rank sits on the node of the unit that holds them
+
+
+@dataclass(frozen=True)
+class ShareLocation:
+    """The controller's answer to a claim: where each trajectory of a rank's share lives."""
+
+    key: MiniBatchKey
+    rank: int
+    traj_ids: tuple[int, ...]
+    unit_ids: tuple[str, ...]  # unit_ids[i] holds traj_ids[i]
+    fields: tuple[str, ...]
+    nbytes: int  # payload bytes of the requested fields (what the rank receives)
+
+
+@dataclass(frozen=True)
+class UnitChunk:
+    """A unit's answer to a get, packed at the source: ``values[f]`` holds field ``fields[f]`` of every
+    trajectory in ``traj_ids`` back to back (ragged: ``lengths[f][i]`` rows each; fixed: stacked, lengths None).
+    Packing where the bytes live makes one contiguous buffer per field, so the Ray transport ships a handful of
+    arrays (one object-store copy, zero-copy reads) instead of one small object per trajectory and field."""
+
+    unit_id: str
+    traj_ids: tuple[int, ...]
+    fields: tuple[str, ...]
+    values: tuple[np.ndarray, ...]
+    lengths: tuple[np.ndarray | None, ...]
+
+
+@dataclass(frozen=True)
+class PackedField:
+    """One field of a share, ready to use: ragged fields are packed back to back (``values`` is
+    ``[sum(len), *tail]``, sequence i is ``values[cu_seqlens[i]:cu_seqlens[i+1]]``, the varlen layout of
+    flash-attention); fixed fields are stacked (``[n, *tail]``, ``cu_seqlens`` None)."""
+
+    name: str
+    values: torch.Tensor
+    cu_seqlens: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class PackedShare:
+    """What ``fetch`` hands a trainer rank: its trajectories' requested fields, packed, cast and (with a GPU)
+    pinned. ``nbytes`` counts the payload as received, before casts."""
+
+    key: MiniBatchKey
+    rank: int
+    traj_ids: tuple[int, ...]
+    fields: Mapping[str, PackedField] = field(repr=False)
+    nbytes: int = 0
+    num_tokens: int = 0
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        try:
+            return self.fields[name].values
+        except KeyError:
+            raise FieldNotProducedError(f"share {self.key} rank {self.rank} does not carry field {name!r} "
+                                        f"(it carries {sorted(self.fields)})") from None

@@ -1,0 +1,139 @@
+"""The Ray transport end to end: 2 storage-unit actors, 2 producer tasks, 2 consumer (trainer-rank) actors."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from knittrans.dataplane import (AlreadyConsumedError, FieldNotProducedError, MiniBatchKey,  # noqa: E402
+                                 PrefetchConfig, Prefetcher, SchemaMismatchError, TrajectoryPayload,
+                                 UnknownMiniBatchError)
+from knittrans.dataplane.ray_transport import RayDataPlane, build_ray  # noqa: E402
+from knittrans.types import MiniBatch  # noqa: E402
+from workloads.text_data import TEXT_SCHEMA, TextDataConfig, make_text_batch  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+# Actors defined in this test module must travel by value (the module is not importable in Ray workers).
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+UNITS = {"u0": "n0", "u1": "n1"}
+RANKS = ("n0", "n1")
+FIELDS = TEXT_SCHEMA.names
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False,
+             configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def dp(ray_local):
+    """One data plane for the module (actor start-up dominates these tests); tests use disjoint batch ids."""
+    plane = build_ray(TEXT_SCHEMA, UNITS, RANKS)
+    yield plane
+    plane.close()
+
+
+def _digest(arrays) -> str:
+    h = hashlib.sha1()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+@ray.remote(num_cpus=0)
+def produce(dp: RayDataPlane, unit: str, payloads: list[TrajectoryPayload]) -> int:
+    dp.client(unit).put(payloads)
+    return len(payloads)
+
+
+@ray.remote(num_cpus=0)
+class Consumer:
+    """A trainer rank: prefetches its shares of ``count`` admitted mini-batches; reports ids, bytes, digests."""
+
+    def __init__(self, dp: RayDataPlane, rank: int) -> None:
+        self.client = dp.client()
+        self.rank = rank
+
+    def consume(self, start_seq: int, count: int) -> list[tuple[MiniBatchKey, tuple[int, ...], int, str]]:
+        pf = Prefetcher(self.client, self.rank, FIELDS, PrefetchConfig(depth=1, admit_timeout_s=60),
+                        start_seq=start_seq, count=count)
+        out = []
+        for share in pf:
+            f = share.fields["input_ids"]
+            cu = f.cu_seqlens.tolist()
+            out.append((share.key, share.traj_ids, share.nbytes,
+                        _digest(f.values[cu[i]:cu[i + 1]].numpy() for i in range(len(cu) - 1))))
+        return out
+
+
+def test_ray_units_and_consumers_deliver_each_rank_exactly_its_share(dp):
+    batch = make_text_batch(TextDataConfig(num_prompts=8, group_size=4, response_len_median=64,
+                                           max_response_len=512, prompt_len_mean=32, seed=1))
+    by_id = {t.traj_id: t for t in batch.trajectories}
+    consumers = [Consumer.remote(dp, r) for r in range(len(RANKS))]
+    mbs = batch.minibatches(2)
+    start = dp.controller_stats().admitted
+    runs = [c.consume.remote(start, len(mbs)) for c in consumers]  # waiting on admission before any data exists
+    ray.get([produce.remote(dp, u, [t.payload() for t in batch.trajectories if t.traj_id % 2 == i])
+             for i, u in enumerate(UNITS)])
+    driver = dp.client()
+    admitted = [driver.admit(mb) for mb in mbs]
+    results = ray.get(runs, timeout=120)
+    for rank, got in enumerate(results):
+        assert [k for k, *_ in got] == [a.key for a in admitted]
+        for (key, ids, nbytes, digest), adm in zip(got, admitted):
+            assert ids == adm.shares[rank]
+            assert nbytes == sum(by_id[t].nbytes for t in ids)
+            assert digest == _digest(by_id[t].input_ids for t in ids)
+    delivered = [t for got in results for _, ids, _, _ in got for t in ids]
+    assert sorted(delivered) == sorted(by_id)  # every trajectory once, none twice
+    assert dp.controller_stats().released_minibatches == len(mbs)
+
+
+def test_ray_bad_input_raises_the_data_plane_error_across_actors(dp):
+    ids = (1000, 1001, 1002, 1003)  # disjoint from the other test's trajectories (batch 7, not 0)
+    c = dp.client("u0")
+    with pytest.raises(SchemaMismatchError):
+        c.put([TrajectoryPayload(ids[0], {"input_ids": np.zeros(3, np.int32)})])
+    c.put([TrajectoryPayload(t, {"input_ids": np.arange(t - 990, dtype=np.int64)}) for t in ids])
+    with pytest.raises(UnknownMiniBatchError):
+        c.fetch(MiniBatchKey(7, 0), 0, ("input_ids",))
+    mb = MiniBatch(batch_id=7, index=0, traj_ids=ids, group_ids=(0,), num_tokens=0)
+    c.admit(mb)
+    with pytest.raises(FieldNotProducedError):
+        c.fetch(mb, 0, ("input_ids", "advantages"))
+    first = c.fetch(mb, 0, ("input_ids",))
+    with pytest.raises(AlreadyConsumedError):
+        c.fetch(mb, 0, ("input_ids",))
+    assert len(first.traj_ids) == 2 and first.nbytes == 8 * sum(t - 990 for t in first.traj_ids)
+
+
+def test_transferqueue_adapter_returns_the_same_share_bytes(ray_local):
+    """TransferQueue (optional extra) on the same trajectories gives the same packed bytes as KnitTrans."""
+    pytest.importorskip("transfer_queue")
+    from baselines import transferqueue_adapter as tqa
+
+    batch = make_text_batch(TextDataConfig(num_prompts=2, group_size=4, response_len_median=32,
+                                           max_response_len=128, prompt_len_mean=16, seed=3))
+    tqa.start(tqa.TQConfig(num_storage_units=2))
+    try:
+        tqa.put([t.payload() for t in batch.trajectories], TEXT_SCHEMA, "test")
+        ids = (5, 0, 3)
+        share = tqa.get(ids, FIELDS, TEXT_SCHEMA, "test")
+        by_id = {t.traj_id: t for t in batch.trajectories}
+        for name in FIELDS:
+            np.testing.assert_array_equal(share.values[name], np.concatenate([getattr(by_id[t], name) for t in ids]))
+        assert share.nbytes == sum(by_id[t].nbytes for t in ids)
+        tqa.clear([t.traj_id for t in batch.trajectories], "test")
+    finally:
+        tqa.close()
