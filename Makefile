@@ -17,7 +17,7 @@ export TRITON_INTERPRET ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PYTHONUNBUFFERED := 1
 
-TABLES ?= staleness kernels
+TABLES ?= staleness kernels transfer
 
 .PHONY: all setup test gate repro bench clean
 
