@@ -1,0 +1,156 @@
+"""Dedup-aware encoding plane: one ``EncodingStore`` per storage unit, and a fetch that moves each distinct
+encoding of a rank's share once.
+
+Where encodings live: a producer (rollout engine) registers each trajectory's image encodings with the store of
+its local unit, as it writes the trajectory's other fields to the same unit (``knittrans.dataplane``). The n
+samples of a GRPO group share the prompt's images, so the unit holds one copy per distinct image (bytes compared
+on every key hit, see ``store.py``).
+
+Fetch: a rank gathers the (unit, slot) of every image occurrence of its share, in the share's order, reads each
+distinct (unit, slot) once, and returns an ``ImageSet`` of distinct images plus, per trajectory, the indices into
+it (``TrainSample.image_ids``), which is all the dedup trainer path (``gather.py``) needs. Dedup is exact within a
+unit; the same content on two units (a group split across engines) is moved once per unit, because proving two
+units' copies equal would need their bytes in one place (a key match alone is not proof).
+
+Consumption: ``consume`` releases the trajectories' references after the trainer step that used them; a slot is
+freed with its last reference (nothing freed early: a later mini-batch's trajectory still holds its own).
+
+Example::
+
+    >>> import torch
+    >>> plane = EncodingPlane(["u0"])
+    >>> img = torch.randn(16, 1176)
+    >>> for t in range(4):
+    ...     _ = plane.register("u0", t, [img], [(1, 4, 4)])
+    >>> f = plane.fetch([0, 1, 2, 3])
+    >>> len(f.images.pixels), f.image_ids[3], f.nbytes == img.numel() * 4
+    (1, (0,), True)
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+from knittrans.mmdedup.gather import ImageSet
+from knittrans.mmdedup.keys import EncodingInputError, HashFn, encoding_hash_fn
+from knittrans.mmdedup.store import EncodingRef, EncodingStore, EncodingStoreError, StoreStats
+
+
+@dataclass(frozen=True, slots=True)
+class ImageOccurrence:
+    """One image a trajectory shows: which unit's store holds it, the reference, and its grid (t, h, w)."""
+
+    unit_id: str
+    ref: EncodingRef
+    grid_thw: tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class DistinctFetch:
+    """What a dedup-aware fetch hands the trainer: distinct images, per-trajectory indices into them (placeholder
+    order), and the accounting. ``nbytes`` = bytes moved = the distinct images' bytes; ``occurrence_nbytes`` =
+    what a fetch without dedup would move."""
+
+    traj_ids: tuple[int, ...]
+    images: ImageSet
+    image_ids: Mapping[int, tuple[int, ...]]
+    nbytes: int
+    occurrence_nbytes: int
+    num_occurrences: int
+
+
+class EncodingPlane:
+    """Per-unit encoding stores plus the metadata of which images each trajectory shows."""
+
+    def __init__(self, unit_ids: Iterable[str], hash_fn: HashFn = encoding_hash_fn, copy: bool = True) -> None:
+        self.stores: dict[str, EncodingStore] = {u: EncodingStore(hash_fn, copy) for u in unit_ids}
+        if not self.stores:
+            raise ValueError("EncodingPlane needs at least one unit")
+        self._lock = threading.Lock()
+        self._occ: dict[int, tuple[ImageOccurrence, ...]] = {}
+        self._unit_of: dict[int, str] = {}  # trajectory -> the unit whose store holds its references
+
+    def register(self, unit_id: str, traj_id: int, encodings: Sequence[torch.Tensor],
+                 grids: Sequence[tuple[int, int, int]]) -> tuple[ImageOccurrence, ...]:
+        """Store trajectory ``traj_id``'s image encodings (placeholder order) in ``unit_id``'s store."""
+        if unit_id not in self.stores:
+            raise EncodingStoreError(f"unknown unit {unit_id!r} (units: {sorted(self.stores)})")
+        if len(encodings) != len(grids):
+            raise EncodingInputError(f"trajectory {traj_id}: {len(encodings)} encodings but {len(grids)} grids")
+        for i, (e, g) in enumerate(zip(encodings, grids)):
+            if len(g) != 3 or min(g) < 1 or not isinstance(e, torch.Tensor) or g[0] * g[1] * g[2] != e.shape[0]:
+                raise EncodingInputError(f"trajectory {traj_id} image {i}: grid_thw {tuple(g)} does not match "
+                                         f"pixel values of shape {tuple(getattr(e, 'shape', ()))}")
+        with self._lock:
+            if traj_id in self._occ:
+                raise EncodingStoreError(f"trajectory {traj_id} already has images registered")
+        refs = self.stores[unit_id].register(traj_id, encodings)
+        occ = tuple(ImageOccurrence(unit_id, r, tuple(int(x) for x in g)) for r, g in zip(refs, grids))
+        with self._lock:
+            self._occ[traj_id] = occ
+            self._unit_of[traj_id] = unit_id
+        return occ
+
+    def occurrences(self, traj_id: int) -> tuple[ImageOccurrence, ...]:
+        with self._lock:
+            try:
+                return self._occ[traj_id]
+            except KeyError:
+                raise EncodingStoreError(f"trajectory {traj_id} has no registered images (never registered, or "
+                                         f"already consumed)") from None
+
+    def fetch(self, traj_ids: Sequence[int], copy: bool = False) -> DistinctFetch:
+        """Each distinct (unit, slot) of these trajectories' images, read once. ``copy`` materialises a private
+        copy per distinct image (what a cross-process transport delivers); False hands out the stored tensors."""
+        occ = {t: self.occurrences(t) for t in traj_ids}  # raises before anything is read
+        index: dict[tuple[str, int], int] = {}
+        order: list[ImageOccurrence] = []
+        image_ids: dict[int, tuple[int, ...]] = {}
+        occ_bytes = n_occ = 0
+        for t in traj_ids:
+            ids = []
+            for o in occ[t]:
+                k = (o.unit_id, o.ref.slot)
+                if k not in index:
+                    index[k] = len(order)
+                    order.append(o)
+                ids.append(index[k])
+                occ_bytes += o.ref.nbytes
+                n_occ += 1
+            image_ids[t] = tuple(ids)
+        pixels = []
+        for o in order:
+            x = self.stores[o.unit_id].get(o.ref)
+            pixels.append(x.clone() if copy else x)
+        nbytes = sum(o.ref.nbytes for o in order)
+        return DistinctFetch(tuple(traj_ids), ImageSet(tuple(pixels), tuple(o.grid_thw for o in order)), image_ids,
+                             nbytes, occ_bytes, n_occ)
+
+    def consume(self, traj_ids: Sequence[int]) -> None:
+        """Release the trajectories' references (all or none); their last reference frees a slot."""
+        ids = list(traj_ids)
+        with self._lock:
+            if len(set(ids)) != len(ids):
+                raise EncodingStoreError(f"consume: duplicate trajectory ids in {ids}")
+            missing = [t for t in ids if t not in self._occ]
+            if missing:
+                raise EncodingStoreError(f"consume: trajectories {missing} have no registered images (never "
+                                         f"registered, or already consumed)")
+            by_unit: dict[str, list[int]] = {}
+            for t in ids:
+                by_unit.setdefault(self._unit_of[t], []).append(t)
+            for u, ts in by_unit.items():  # each store validated all its ids above: these cannot fail midway
+                self.stores[u].consume(ts)
+            for t in ids:
+                del self._occ[t], self._unit_of[t]
+
+    def stats(self) -> dict[str, StoreStats]:
+        """Per-unit store counters."""
+        return {u: s.stats() for u, s in self.stores.items()}
+
+    def live_bytes(self) -> int:
+        return sum(s.live_bytes for s in self.stats().values())

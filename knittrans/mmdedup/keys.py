@@ -1,0 +1,77 @@
+"""Encoding keys: 128-bit content hashes of image encodings (``pixel_values``) plus the dtype and shape.
+
+``triton_kernels.encoding_hash`` hashes bytes only (dtype- and shape-agnostic, and not cryptographic), so a key
+here is (digest, dtype, shape): two tensors with equal bytes but different shapes (a 16 x 64 and a 32 x 32 grid)
+get different keys, and the store still compares bytes on every key hit (see ``store.py``).
+
+The hash function is a parameter (``HashFn``) so tests can force collisions with a deliberately weak hash and
+check that the store never aliases two inputs.
+
+Example::
+
+    >>> import torch
+    >>> a, b = torch.zeros(4, 6), torch.zeros(6, 4)
+    >>> ka, kb = content_keys([a, b])
+    >>> ka.digest == kb.digest, ka == kb
+    (True, False)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+HashFn = Callable[[Sequence[torch.Tensor]], list[bytes]]
+"""Maps tensors to one digest (bytes) each, from their bytes only."""
+
+
+class EncodingInputError(ValueError):
+    """An encoding the store or the trainer path cannot accept (wrong dtype, wrong rank, zero size)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EncodingKey:
+    """What the store looks an encoding up by. Equal keys are necessary, not sufficient, for equal content:
+    the store compares the bytes on a hit."""
+
+    digest: bytes
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"{self.digest.hex()[:12]}:{self.dtype}{list(self.shape)}"
+
+
+def encoding_hash_fn(tensors: Sequence[torch.Tensor]) -> list[bytes]:
+    """The production hash: ``triton_kernels.encoding_hash`` over all tensors in one ragged call (Triton on
+    CUDA, the bit-identical torch reference on CPU), 16 bytes per tensor."""
+    from triton_kernels.encoding_hash import encoding_hash, key_bytes
+
+    if not tensors:
+        return []
+    keys = encoding_hash(list(tensors))
+    return [key_bytes(k) for k in keys.cpu()]
+
+
+def check_encoding(t: torch.Tensor, allowed: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16,
+                                                                       torch.float16)) -> None:
+    """Raise ``EncodingInputError`` unless ``t`` is a non-empty 2-D floating ``[patches, patch_dim]`` tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise EncodingInputError(f"an encoding must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in allowed:
+        raise EncodingInputError(f"pixel values have dtype {t.dtype}; expected one of {list(allowed)} "
+                                 f"(preprocess images to normalised floats, not raw uint8 pixels)")
+    if t.ndim != 2 or t.shape[0] == 0 or t.shape[1] == 0:
+        raise EncodingInputError(f"pixel values have shape {tuple(t.shape)}; expected a non-empty "
+                                 f"[patches, patch_dim] tensor")
+
+
+def content_keys(tensors: Sequence[torch.Tensor], hash_fn: HashFn = encoding_hash_fn) -> list[EncodingKey]:
+    """One key per tensor (digest of its bytes, its dtype and shape), hashed in one batch."""
+    digests = hash_fn(tensors)
+    if len(digests) != len(tensors):
+        raise RuntimeError(f"hash function returned {len(digests)} digests for {len(tensors)} tensors")
+    return [EncodingKey(bytes(d), str(t.dtype).removeprefix("torch."), tuple(t.shape))
+            for d, t in zip(digests, tensors)]
