@@ -67,3 +67,20 @@ def test_kernel_rejects_what_the_reference_rejects():
         encoding_hash(x, torch.tensor([0, 4], device=DEVICE), impl="triton")
     with pytest.raises(ValueError, match="out of range"):
         encoding_hash(torch.zeros(4, device=DEVICE), torch.tensor([0, 17], device=DEVICE), impl="triton")
+
+
+def test_streamed_and_gathered_blocks_give_the_same_keys():
+    """The reference reads long runs of whole blocks in place and gathers the rest into a zero-padded matrix;
+    where the line between the two falls changes speed, never keys (huge min_stream_blocks = gather all)."""
+    from triton_kernels.encoding_hash.reference import STREAM_MIN_BLOCKS, encoding_hash_reference
+
+    b = BLOCK_BYTES
+    sizes = [3 * b, 0, 2 * b, b + 5, 70 * b, 64 * b, 0, 64 * b - 1, 1, 130 * b + 77, 33, 5 * b]  # runs and breaks
+    g = torch.Generator().manual_seed(4)
+    buf = torch.randint(0, 256, (sum(sizes) + 3,), dtype=torch.uint8, generator=g)[3:]  # unaligned start
+    off = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(torch.tensor(sizes), 0)])
+    gathered = encoding_hash_reference(buf, off, min_stream_blocks=2**62)
+    for m in (1, 2, STREAM_MIN_BLOCKS):
+        assert torch.equal(encoding_hash_reference(buf, off, min_stream_blocks=m), gathered), m
+    assert torch.equal(encoding_hash(buf, off, impl="reference"), gathered)
+    assert torch.unique(gathered, dim=0).shape[0] == len(sizes) - 1  # the two empty segments share a key

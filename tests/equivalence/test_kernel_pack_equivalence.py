@@ -66,3 +66,42 @@ def test_batched_pack_kernel_equals_reference_for_all_outputs():
         assert torch.equal(ref.fields[name], tri.fields[name].cpu()), name
     assert torch.equal(ref.position_ids, tri.position_ids.cpu())
     assert torch.equal(ref.cu_seqlens, tri.cu_seqlens.cpu())
+
+
+# The torch path (slices.py, one copy per sequence) against the per-token scatter it replaces (reference.py,
+# the specification): same bits for every dtype, gaps, empty rows and sequences, and an offset source.
+
+def test_slice_copies_equal_the_per_token_scatter_for_every_dtype():
+    from triton_kernels.batched_pack import pack_field_reference, pack_field_slices
+
+    lengths = [0, 1, 7, 16, 3, 0, 11, 16]
+    plan = plan_microbatches(lengths, num_ranks=2, max_tokens_per_microbatch=16, method="kk").pack
+    for dtype in DTYPES:
+        values, off = _ragged(lengths, dtype)
+        pad = 1 if dtype != torch.bool else True
+        ref = pack_field_reference(values, off, plan, pad)
+        assert torch.equal(ref.view(torch.uint8), pack_field_slices(values, off, plan, pad).view(torch.uint8)), dtype
+
+
+def test_slice_copies_equal_the_scatter_with_gaps_empty_rows_and_an_offset_source():
+    from triton_kernels.batched_pack import (pack_field_reference, pack_field_slices, position_ids_reference,
+                                             position_ids_slices)
+
+    values = torch.arange(100, 160)
+    off = torch.tensor([5, 30, 30, 34, 35, 50])  # source starts at 5, ends before the field's end; one empty
+    plan = PackPlan(torch.tensor([3, 0, 0, 0, 3]), torch.tensor([0, 9, 20, 0, 28]), num_rows=5, row_len=45)
+    assert torch.equal(pack_field_reference(values, off, plan, -7), pack_field_slices(values, off, plan, -7))
+    assert torch.equal(position_ids_reference(off, plan), position_ids_slices(off, plan))
+    none = PackPlan(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), num_rows=3, row_len=4)
+    assert torch.equal(pack_field_slices(values, torch.tensor([0]), none, 2), torch.full((3, 4), 2))
+
+
+def test_batched_pack_torch_path_equals_the_scatter_for_all_outputs():
+    from triton_kernels.batched_pack import pack_field_reference, position_ids_reference
+
+    lengths = [9, 4, 4, 1, 0, 13, 2]
+    ids, off = _ragged(lengths, torch.int64)
+    plan = plan_microbatches(lengths, num_ranks=2, max_tokens_per_microbatch=13, method="ffd").pack
+    packed = batched_pack({"input_ids": ids}, off, plan, {"input_ids": 7}, impl="reference")
+    assert torch.equal(packed.fields["input_ids"], pack_field_reference(ids, off, plan, 7))
+    assert torch.equal(packed.position_ids, position_ids_reference(off, plan))

@@ -36,3 +36,16 @@ def test_kernel_equals_reference(lengths, dtype):
     ref = pack_field(values, off, plan, impl="reference")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert torch.equal(ref, pack_field(values.to(device), off.to(device), plan, impl="triton").cpu())
+
+
+@settings(max_examples=40)
+@given(lengths=lengths_st, ranks=st.integers(1, 3), dtype=st.sampled_from([torch.int64, torch.bfloat16, torch.bool]))
+def test_slice_copies_equal_the_per_token_scatter(lengths, ranks, dtype):
+    from triton_kernels.batched_pack import (pack_field_reference, pack_field_slices, position_ids_reference,
+                                             position_ids_slices)
+
+    plan = plan_microbatches(lengths, ranks, 24, method="kk").pack
+    off = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)])
+    values = (torch.arange(int(off[-1])) * 37 % 11).to(dtype)
+    assert torch.equal(pack_field_reference(values, off, plan, 1), pack_field_slices(values, off, plan, 1))
+    assert torch.equal(position_ids_reference(off, plan), position_ids_slices(off, plan))

@@ -1,7 +1,9 @@
 """batched_pack: ragged trajectories -> packed micro-batch buffers, cu_seqlens and position_ids.
 
-Dispatch: ``impl="auto"`` runs the Triton kernel for CUDA tensors and the torch reference otherwise;
-``impl="triton"`` / ``impl="reference"`` force one; "triton" on CPU needs ``TRITON_INTERPRET=1``.
+Dispatch: ``impl="auto"`` runs the Triton kernel for CUDA tensors and the torch path otherwise;
+``impl="triton"`` / ``impl="reference"`` force one; "triton" on CPU needs ``TRITON_INTERPRET=1``. The torch path
+is ``slices.py`` (one slice copy per sequence); ``reference.py``'s per-token scatter (``pack_field_reference``,
+``position_ids_reference``) is the specification both are tested against.
 
 Example::
 
@@ -21,13 +23,14 @@ import torch
 
 from ..encoding_hash import resolve_impl
 from .planner import MicrobatchPlan, first_fit_decreasing, karmarkar_karp, plan_microbatches
-from .reference import (PackPlan, check_pack, cu_seqlens_from_plan, pack_field_reference,
-                        position_ids_reference, scatter_index)
+from .reference import PackPlan, check_pack, cu_seqlens_from_plan, pack_field_reference, position_ids_reference
+from .slices import pack_field_slices, position_ids_slices, slice_copies
 
 Impl = Literal["auto", "triton", "reference"]
 
 __all__ = ["PackPlan", "PackedBatch", "MicrobatchPlan", "batched_pack", "pack_field", "plan_microbatches",
-           "karmarkar_karp", "first_fit_decreasing", "check_pack", "pack_field_reference"]
+           "karmarkar_karp", "first_fit_decreasing", "check_pack", "pack_field_reference",
+           "position_ids_reference", "pack_field_slices", "position_ids_slices"]
 
 
 @dataclass
@@ -47,7 +50,7 @@ def pack_field(values: torch.Tensor, seq_offsets: torch.Tensor, plan: PackPlan, 
                *, impl: Impl = "auto") -> torch.Tensor:
     """One field, [num_rows, row_len], ``pad_value`` where no sequence is placed."""
     if resolve_impl(impl, values.device) == "reference":
-        return pack_field_reference(values, seq_offsets, plan, pad_value)
+        return pack_field_slices(values, seq_offsets, plan, pad_value)
     from .kernel import pack_field_triton  # lazy: the reference path never needs triton
 
     return pack_field_triton(values, seq_offsets, plan, pad_value)
@@ -65,10 +68,10 @@ def batched_pack(fields: Mapping[str, torch.Tensor], seq_offsets: torch.Tensor, 
         raise ValueError(f"pad_values names fields that were not given: {sorted(unknown)}")
     device = next(iter(fields.values())).device
     if resolve_impl(impl, device) == "reference":
-        dst, idx = scatter_index(seq_offsets, plan)  # once for all fields
-        packed = {name: pack_field_reference(v, seq_offsets, plan, pads.get(name, 0), dst=dst)
+        copies = slice_copies(seq_offsets, plan)  # once for all fields
+        packed = {name: pack_field_slices(v, seq_offsets, plan, pads.get(name, 0), copies=copies)
                   for name, v in fields.items()}
-        pos = position_ids_reference(seq_offsets, plan, device, dst=dst, idx=idx)
+        pos = position_ids_slices(seq_offsets, plan, device, copies=copies)
     else:
         packed = {name: pack_field(v, seq_offsets, plan, pads.get(name, 0), impl=impl) for name, v in fields.items()}
         from .kernel import position_ids_triton

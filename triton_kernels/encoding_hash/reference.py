@@ -49,7 +49,9 @@ Example::
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 BLOCK_BYTES = 4096  # bytes per block row; 4096 * 128 * 128 = 2^26 bounds every exact int32 block sum
@@ -151,38 +153,90 @@ def _block_sums(rows: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return (rows.to(torch.float64) @ k.to(torch.float64)).to(torch.int32)
 
 
-def _segment_rows(flat: torch.Tensor, off: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                    torch.Tensor]:
-    """Block sums of every block of every segment: (v int32 [rows, LANES], segment id [rows], row-in-segment)."""
+STREAM_MIN_BLOCKS = 64  # a run of >= 64 whole blocks (256 KiB) is read in place; shorter ones are gathered
+
+
+def _stream_runs(lengths: torch.Tensor, min_blocks: int) -> list[tuple[int, int, int]]:
+    """Maximal runs of segments whose whole blocks lie back to back in ``buf``: (first segment, last segment,
+    whole blocks). Segments are adjacent byte ranges, so the whole blocks of segments a..b form one block-aligned
+    range starting at off[a] exactly when none of a..b-1 has a tail; such a range is a zero-copy [rows, 4096]
+    view (one GEMM for the run). Runs with fewer than ``min_blocks`` blocks are left to the gather."""
+    if lengths.numel() == 0:
+        return []
+    has_tail = (lengths % BLOCK_BYTES > 0).to(torch.int64)
+    run = torch.cumsum(has_tail, 0) - has_tail  # a run ends at (and includes) each segment with a tail
+    blocks = torch.zeros(int(run[-1]) + 1, dtype=torch.int64).index_add_(0, run, lengths // BLOCK_BYTES)
+    first = torch.nonzero(torch.diff(run, prepend=run[:1] - 1)).flatten()
+    last = torch.cat([first[1:] - 1, torch.tensor([lengths.numel() - 1])])
+    keep = torch.nonzero(blocks >= max(1, min_blocks)).flatten()
+    return list(zip(first[keep].tolist(), last[keep].tolist(), blocks[keep].tolist()))
+
+
+def _gather_padded(data: torch.Tensor, starts: list[int], sizes: list[int], width: int) -> torch.Tensor:
+    """Byte ranges data[start:start+size], each zero-padded to whole rows of ``width``, stacked as int8
+    [rows, width]: one ``torch.cat`` into the output (each byte copied once, the padding written once)."""
+    rows = sum(-(-n // width) for n in sizes)
+    out = torch.empty(rows * width, dtype=torch.int8, device=data.device)
+    zeros = torch.zeros(width, dtype=torch.int8, device=data.device)
+    pieces = []
+    for start, n in zip(starts, sizes):
+        pieces.append(data[start:start + n])
+        if n % width:
+            pieces.append(zeros[:width - n % width])
+    torch.cat(pieces, out=out)
+    return out.view(rows, width)
+
+
+class BlockSums(NamedTuple):
+    """Block sums of some blocks: row i of ``v`` is block row[i] of segment seg[i]."""
+
+    v: torch.Tensor  # int32 [rows, LANES]
+    seg: torch.Tensor  # int64 [rows], CPU
+    row: torch.Tensor  # int64 [rows], CPU
+
+
+def _label_rows(v: torch.Tensor, seg: torch.Tensor, rows: torch.Tensor, first: torch.Tensor) -> BlockSums:
+    """Rows of ``v`` come in groups: rows[g] rows that are blocks first[g], first[g] + 1, ... of segment seg[g].
+    Index bookkeeping in numpy: single-threaded, so no thread barrier per op (16 bytes per 4 KiB block)."""
+    seg, rows, first = seg.numpy(), rows.numpy(), first.numpy()
+    start = np.cumsum(rows) - rows
+    row = np.arange(int(rows.sum()), dtype=np.int64) - np.repeat(start - first, rows)
+    return BlockSums(v, torch.from_numpy(np.repeat(seg, rows)), torch.from_numpy(row))
+
+
+def block_sums(flat: torch.Tensor, off: torch.Tensor, k: torch.Tensor,
+               min_stream_blocks: int = STREAM_MIN_BLOCKS) -> list[BlockSums]:
+    """Step 1 for every block of every segment, by two routes to the same sums (the row order differs, which the
+    order-free reduce ignores):
+
+    - streamed: each run of at least ``min_stream_blocks`` whole blocks is multiplied in place (zero copies,
+      one GEMM per run);
+    - gathered: everything else (the tails, short segments) is copied once into a zero-padded matrix, one GEMM.
+      When every piece fits one block, the matrix is only as wide as the longest piece (rounded to 32): the zero
+      columns beyond it would add nothing."""
     lengths = off[1:] - off[:-1]
-    sums, seg_ids, row_ids = [], [], []
+    full = lengths // BLOCK_BYTES
     data = flat.view(torch.int8)
-    # Whole blocks read straight from buf (no copy): one int8 GEMM per segment that has any.
-    for s in torch.nonzero(lengths >= BLOCK_BYTES).flatten().tolist():
-        start, full = int(off[s]), int(lengths[s]) // BLOCK_BYTES
-        sums.append(_block_sums(data[start:start + full * BLOCK_BYTES].view(full, BLOCK_BYTES), k))
-        seg_ids.append(torch.full((full,), s, dtype=torch.int64))
-        row_ids.append(torch.arange(full, dtype=torch.int64))
-    # Tails (the last partial block of each segment), zero-padded into one matrix: one GEMM for all of them.
-    tail_len = lengths % BLOCK_BYTES
-    tail_segs = torch.nonzero(tail_len > 0).flatten()
-    if tail_segs.numel():
-        tl_len = tail_len[tail_segs]
-        tail_start = off[tail_segs] + lengths[tail_segs] - tl_len
-        which = torch.repeat_interleave(torch.arange(tail_segs.numel()), tl_len)
-        col = torch.arange(int(tl_len.sum())) - torch.repeat_interleave(torch.cumsum(tl_len, 0) - tl_len, tl_len)
-        # Only as wide as the longest tail (rounded to 32): the zero columns beyond it would add nothing.
-        width = min(BLOCK_BYTES, -(-int(tl_len.max()) // 32) * 32)
-        tails = torch.zeros(tail_segs.numel(), width, dtype=torch.int8, device=flat.device)
-        src = (tail_start[which] + col).to(flat.device)
-        tails[which.to(flat.device), col.to(flat.device)] = data[src]
-        sums.append(_block_sums(tails, k[:width].contiguous()))
-        seg_ids.append(tail_segs)
-        row_ids.append(lengths[tail_segs] // BLOCK_BYTES)
-    if not sums:
-        empty = torch.zeros(0, dtype=torch.int64)
-        return torch.zeros(0, LANES, dtype=torch.int32, device=flat.device), empty, empty
-    return torch.cat(sums), torch.cat(seg_ids), torch.cat(row_ids)
+    out = []
+    streamed = torch.zeros(lengths.numel(), dtype=torch.bool)  # whole blocks already summed in place
+    for first, last, blocks in _stream_runs(lengths, min_stream_blocks):
+        start = int(off[first])
+        v = _block_sums(data[start:start + blocks * BLOCK_BYTES].view(blocks, BLOCK_BYTES), k)
+        out.append(_label_rows(v, torch.arange(first, last + 1), full[first:last + 1],
+                               torch.zeros(last + 1 - first, dtype=torch.int64)))
+        streamed[first:last + 1] = True
+    # Gathered pieces: the tail of a streamed segment, or all of any other non-empty segment.
+    skip = torch.where(streamed, full * BLOCK_BYTES, 0)
+    size = lengths - skip
+    segs = torch.nonzero(size > 0).flatten()
+    if segs.numel():
+        sizes = size[segs]
+        longest = int(sizes.max())
+        width = BLOCK_BYTES if longest > BLOCK_BYTES else min(BLOCK_BYTES, -(-longest // 32) * 32)
+        v = _block_sums(_gather_padded(data, (off[segs] + skip[segs]).tolist(), sizes.tolist(), width),
+                        k[:width].contiguous())
+        out.append(_label_rows(v, segs, -(-sizes // width), skip[segs] // BLOCK_BYTES))  # a tail is block full[s]
+    return out
 
 
 def block_mix(v: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
@@ -190,6 +244,20 @@ def block_mix(v: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
     seeds = wrap32(torch.tensor(lane_seeds(), dtype=torch.int64)).to(v.device)
     pos = wrap32(row).to(v.device)[:, None] * _signed(GOLDEN) + seeds[None, :]
     return fmix32(v ^ pos)
+
+
+CHUNK_ROWS = 1024  # 16384 int32 lanes: below torch's parallel grain (32768), so no thread barrier, and in L2
+
+
+def mix_and_sum(c: torch.Tensor, part: BlockSums) -> None:
+    """Steps 2 and 3: c[seg] += m(row) for every block of ``part``. ``c`` is int64 [S, LANES] and accumulates the
+    mixed lanes as signed int32 values: congruent to their uint32 bits mod 2^32, so wrap32(c) is the wrapping
+    uint32 sum (and |c| < rows * 2^31 cannot overflow). Runs in chunks of CHUNK_ROWS rows: small ops stay on one
+    thread (a barrier per op costs milliseconds on a busy machine) and every temporary stays in cache."""
+    rows = part.v.shape[0]
+    for a in range(0, rows, CHUNK_ROWS):
+        mixed = block_mix(part.v[a:a + CHUNK_ROWS], part.row[a:a + CHUNK_ROWS])
+        c.index_add_(0, part.seg[a:a + CHUNK_ROWS].to(c.device), mixed.to(torch.int64))
 
 
 def len_seeds() -> list[int]:
@@ -213,19 +281,17 @@ def finalize(c: torch.Tensor, nbytes: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def encoding_hash_reference(buf: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def encoding_hash_reference(buf: torch.Tensor, offsets: torch.Tensor, *,
+                             min_stream_blocks: int = STREAM_MIN_BLOCKS) -> torch.Tensor:
     """128-bit keys of the byte segments of ``buf``: int64 [num_segments, 2] (the four uint32 lanes, little-endian).
 
-    Runs on any device; the result is on ``buf``'s device."""
+    Runs on any device; the result is on ``buf``'s device. ``min_stream_blocks`` changes speed, never keys:
+    runs of at least that many whole blocks are read in place, the rest is gathered (a huge value gathers
+    everything, the plain twin the tests compare against; 1 streams every whole block)."""
     flat, off = check_segments(buf, offsets)
-    num_segments = off.numel() - 1
     k = mixing_matrix(str(flat.device))
-    v, seg, row = _segment_rows(flat, off, k)
-    mixed = block_mix(v, row)
-    c = torch.zeros(num_segments, LANES, dtype=torch.int64, device=flat.device)
-    if seg.numel() == mixed.shape[0] and num_segments == 1:
-        c[0] = (mixed.to(torch.int64) & MASK32).sum(0)  # one segment: a plain column sum
-    else:
-        c.index_add_(0, seg.to(flat.device), mixed.to(torch.int64) & MASK32)  # exact: < 2^31 rows < 2^32 each
+    c = torch.zeros(off.numel() - 1, LANES, dtype=torch.int64, device=flat.device)
+    for part in block_sums(flat, off, k, min_stream_blocks):
+        mix_and_sum(c, part)
     lengths = (off[1:] - off[:-1]).to(flat.device)
     return finalize(wrap32(c), lengths).view(torch.int64)
