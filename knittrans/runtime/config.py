@@ -1,0 +1,137 @@
+"""Runtime configuration: execution mode, batch shape, weight-sync semantics, flow control, failure policy.
+
+Version semantics (DESIGN.md asks every run to state them; they are fields here, so they are in every run's
+config):
+
+- Weights reach the rollout engine at **sync points**, chosen by ``sync``: after every optimizer step, after every
+  ``sync_every`` steps, or after the last mini-batch of every batch. The trainer publishes a copy of its weights
+  at a sync point; the engine loads the newest published copy before its next generation wave.
+- **In-flight requests continue**: a wave always finishes with the weights it started with (no mid-generation
+  update), so a trajectory's ``v_gen`` is the single version that produced all of its tokens.
+- Flow control is an **in-flight budget** in groups: a group counts from dispatch to rollout until the trainer has
+  finished the step that consumes it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+
+class RuntimeConfigError(ValueError):
+    """A runtime config that cannot run (it would deadlock, or a field is out of range)."""
+
+
+class SyncPolicy(str, Enum):
+    """When the trainer's weights reach the rollout engine."""
+
+    EVERY_STEP = "every_step"
+    EVERY_K_STEPS = "every_k_steps"
+    EVERY_BATCH = "every_batch"
+
+
+class OnRolloutError(str, Enum):
+    """What a failed generation wave does: retry its groups (up to ``rollout_retries`` times), or fail the run."""
+
+    RETRY = "retry"
+    FAIL = "fail"
+
+
+MODES = ("colocated", "train_batch", "knittrans", "greedy", "bounded_async")
+# Policies that commit nothing before a whole batch (B trajectories) has completed: their budget must hold it.
+_WHOLE_BATCH_POLICIES = ("train_batch", "bounded_async")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """One real run: execution mode, batch constraints, sync and flow control."""
+
+    mode: str = "knittrans"
+    """``colocated`` (generate a whole batch, then train its M mini-batches, taking turns), or the admission policy
+    of a disaggregated run (rollout and trainer in separate threads): ``train_batch``, ``knittrans``, ``greedy``,
+    ``bounded_async``."""
+    num_batches: int = 4
+    """Training batches; the run takes num_batches * num_minibatches optimizer steps."""
+    prompts_per_batch: int = 16
+    """P: groups (prompts) per batch."""
+    group_size: int = 4
+    """n: samples per prompt."""
+    num_minibatches: int = 4
+    """M: optimizer steps per batch."""
+    max_new_tokens: int = 5
+    """Response cap in tokens, EOS included (max_response_len)."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    sync: SyncPolicy = SyncPolicy.EVERY_STEP
+    """When weights reach the engine (ignored by ``colocated``, which always generates with the newest weights)."""
+    sync_every: int = 1
+    """k for ``every_k_steps``."""
+    inflight_groups: int = 0
+    """In-flight budget in groups (dispatched and not yet consumed by a finished step); 0 means one batch (P)."""
+    wave_groups: int = 4
+    """Groups per generation call: the engine's granularity. Weights change only between waves."""
+    rollout_retries: int = 1
+    """Extra attempts for a failed wave when ``on_rollout_error`` is ``retry``."""
+    on_rollout_error: OnRolloutError = OnRolloutError.RETRY
+    """A wave that raises is retried, or fails the run; a group is never dropped silently."""
+    enforce_staleness_bound: bool = True
+    """Fail loudly if a trajectory is staler than ``staleness_bound()`` (a flow-control bug, not a tuning knob)."""
+    eval_every: int = 0
+    """Snapshot the trainer's weights every this many steps for offline evaluation (0: none)."""
+    seed: int = 0
+    """Prompt stream and sampling seed."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise RuntimeConfigError(f"RuntimeConfig.mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("num_batches", "prompts_per_batch", "group_size", "num_minibatches", "max_new_tokens",
+                     "sync_every", "wave_groups"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise RuntimeConfigError(f"RuntimeConfig.{name} must be an int >= 1, got {v!r}")
+        if self.prompts_per_batch % self.num_minibatches:
+            raise RuntimeConfigError(f"RuntimeConfig: prompts_per_batch={self.prompts_per_batch} must be a multiple "
+                                     f"of num_minibatches={self.num_minibatches} (whole groups per mini-batch)")
+        if self.inflight_groups < 0 or self.rollout_retries < 0 or self.eval_every < 0:
+            raise RuntimeConfigError("RuntimeConfig: inflight_groups, rollout_retries and eval_every must be >= 0")
+        object.__setattr__(self, "sync", SyncPolicy(self.sync))
+        object.__setattr__(self, "on_rollout_error", OnRolloutError(self.on_rollout_error))
+        need = self.prompts_per_batch if self.mode in _WHOLE_BATCH_POLICIES else self.groups_per_minibatch
+        if self.budget < need:
+            raise RuntimeConfigError(
+                f"RuntimeConfig: inflight_groups={self.budget} would deadlock mode {self.mode!r}: it commits nothing "
+                f"until {need} groups have completed, so the budget must be >= {need}")
+
+    @property
+    def budget(self) -> int:
+        """The in-flight budget in groups."""
+        return self.inflight_groups or self.prompts_per_batch
+
+    @property
+    def groups_per_minibatch(self) -> int:
+        return self.prompts_per_batch // self.num_minibatches
+
+    @property
+    def total_steps(self) -> int:
+        return self.num_batches * self.num_minibatches
+
+    @property
+    def sync_lag(self) -> int:
+        """Most steps the engine's weights can trail the trainer's published version at a wave start."""
+        if self.mode == "colocated" or self.sync is SyncPolicy.EVERY_STEP:
+            return 0
+        if self.sync is SyncPolicy.EVERY_K_STEPS:
+            return self.sync_every - 1
+        return self.num_minibatches - 1
+
+    def staleness_bound(self) -> int:
+        """An upper bound on any trajectory's staleness that flow control guarantees.
+
+        A group starts generating (with weights at most ``sync_lag`` behind the trainer) only while fewer than
+        ``budget`` groups are in flight, and each step consumes ``groups_per_minibatch`` of them, so at most
+        ``ceil(budget / groups_per_minibatch)`` steps run between its start and the step that consumes it.
+        Colocated: ``M - 1`` (the j-th mini-batch of a batch is j steps stale)."""
+        if self.mode == "colocated":
+            return self.num_minibatches - 1
+        return math.ceil(self.budget / self.groups_per_minibatch) + self.sync_lag
