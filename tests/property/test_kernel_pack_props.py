@@ -49,3 +49,22 @@ def test_slice_copies_equal_the_per_token_scatter(lengths, ranks, dtype):
     values = (torch.arange(int(off[-1])) * 37 % 11).to(dtype)
     assert torch.equal(pack_field_reference(values, off, plan, 1), pack_field_slices(values, off, plan, 1))
     assert torch.equal(position_ids_reference(off, plan), position_ids_slices(off, plan))
+
+
+@settings(max_examples=40)
+@given(steps=st.lists(st.tuples(lengths_st, st.integers(1, 3)), min_size=1, max_size=4),
+       dtype=st.sampled_from([torch.int64, torch.float32, torch.bfloat16, torch.bool]), junk=st.integers(1, 255))
+def test_reused_buffers_never_leak_a_previous_step_into_the_pack(steps, dtype, junk):
+    from triton_kernels.batched_pack import PackBuffers
+
+    bufs = PackBuffers()
+    for lengths, ranks in steps:  # each step a new plan shape; the buffers hold the last step's data, then junk
+        plan = plan_microbatches(lengths, ranks, 24, method="kk").pack
+        off = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)])
+        values = (torch.arange(int(off[-1])) * 37 % 11).to(dtype)
+        bufs.field("v", plan, dtype, "cpu").view(torch.uint8).fill_(junk)
+        bufs.position_ids(plan, "cpu").fill_(-junk)
+        got = batched_pack({"v": values}, off, plan, {"v": 1}, out=bufs)
+        fresh = batched_pack({"v": values}, off, plan, {"v": 1})
+        assert torch.equal(got.fields["v"].view(torch.uint8), fresh.fields["v"].view(torch.uint8))
+        assert torch.equal(got.position_ids, fresh.position_ids)

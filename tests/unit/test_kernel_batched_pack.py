@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from triton_kernels.batched_pack import PackPlan, batched_pack, pack_field, plan_microbatches
+from triton_kernels.batched_pack import PackBuffers, PackedBatch, PackPlan, batched_pack, pack_field, plan_microbatches
 
 OFF = torch.tensor([0, 3, 5, 5, 9])  # lengths 3, 2, 0, 4
 
@@ -91,3 +91,75 @@ def test_planner_errors_and_edge_cases():
     assert empty.num_microbatches == 1 and empty.pack.num_rows == 3 and empty.rank_imbalance == 0.0
     exact = plan_microbatches([8, 8, 8], 1, 8)
     assert exact.num_microbatches == 3 and exact.microbatch_imbalance == 0.0
+
+
+# out=: a wrong buffer is rejected, naming the output and what is wrong, before anything is written.
+
+PLAN = _plan([0, 0, 1, 1], [0, 3, 0, 0])  # 2 x 6
+
+
+@pytest.mark.parametrize("make_out, error, match", [
+    (lambda: torch.zeros(2, 5, dtype=torch.int64), ValueError, r"shape \(2, 5\), the plan needs \(2, 6\)"),
+    (lambda: torch.zeros(12, dtype=torch.int64), ValueError, "shape"),
+    (lambda: torch.zeros(2, 6, dtype=torch.int32), TypeError, "torch.int32, the packed values are torch.int64"),
+    (lambda: torch.zeros(2, 6, dtype=torch.int64, device="meta"), ValueError, "is on meta"),
+    (lambda: torch.zeros(6, 2, dtype=torch.int64).t(), ValueError, "contiguous"),
+    (lambda: [[0] * 6] * 2, TypeError, "must be a tensor"),
+])
+def test_pack_field_rejects_a_wrong_out_buffer(make_out, error, match):
+    for impl in ("reference", "triton"):
+        with pytest.raises(error, match=match):
+            pack_field(torch.arange(9), OFF, PLAN, impl=impl, out=make_out())
+
+
+def test_an_out_buffer_overlapping_the_values_is_rejected():
+    values = torch.zeros(20, dtype=torch.int64)
+    values[:9] = torch.arange(9)
+    with pytest.raises(ValueError, match="overlaps"):
+        pack_field(values[:9], OFF, PLAN, out=values[8:].view(2, 6))
+
+
+def test_batched_pack_rejects_wrong_out_batches_and_writes_nothing():
+    fields = {"ids": torch.arange(9), "logp": torch.arange(9.0)}
+    good = batched_pack(fields, OFF, PLAN)
+    before = {k: v.clone() for k, v in good.fields.items()}
+    other = {"ids": torch.arange(9) + 100, "logp": torch.arange(9.0) + 100}
+
+    def wrong(**changes):
+        kw = {"fields": dict(good.fields), "position_ids": good.position_ids, "cu_seqlens": good.cu_seqlens,
+              "seq_counts": good.seq_counts, "plan": PLAN}
+        kw.update(changes)
+        return PackedBatch(**kw)
+
+    cases = [
+        (wrong(fields={"ids": good.fields["ids"]}), ValueError, "out has fields"),
+        (wrong(fields={"ids": good.fields["ids"], "logp": good.fields["logp"].double()}), TypeError, "'logp'"),
+        (wrong(position_ids=good.position_ids.int()), TypeError, "'position_ids'"),
+        (wrong(position_ids=torch.zeros(3, 6, dtype=torch.int64)), ValueError, "'position_ids' has shape"),
+        (wrong(fields={"ids": good.fields["ids"], "logp": good.fields["ids"].view(torch.float64)}), TypeError,
+         "'logp'"),
+        (wrong(position_ids=good.fields["ids"]), ValueError, "'ids' and out for 'position_ids' share memory"),
+    ]
+    for out, error, match in cases:
+        with pytest.raises(error, match=match):
+            batched_pack(other, OFF, PLAN, out=out)
+        assert all(torch.equal(good.fields[k], before[k]) for k in before)  # validated before any write
+    with pytest.raises(TypeError, match="PackedBatch, a PackBuffers or None"):
+        batched_pack(other, OFF, PLAN, out={"ids": good.fields["ids"]})
+
+
+def test_pack_buffers_hand_out_one_buffer_per_field_grown_to_the_largest_shape():
+    bufs = PackBuffers()
+    small, big = _plan([0], [0], num_rows=2, row_len=6), _plan([0], [0], num_rows=4, row_len=6)
+    a = bufs.field("x", small, torch.float32, "cpu")
+    assert a.shape == (2, 6) and a.is_contiguous()
+    assert bufs.field("x", small, torch.float32, "cpu").data_ptr() == a.data_ptr()  # reused
+    assert bufs.field("y", small, torch.float32, "cpu").data_ptr() != a.data_ptr()  # same dtype, own buffer
+    assert bufs.position_ids(small, "cpu").dtype == torch.int64
+    assert bufs.field("position_ids", small, torch.int64, "cpu").data_ptr() != \
+        bufs.position_ids(small, "cpu").data_ptr()
+    grown = bufs.field("x", big, torch.float32, "cpu")
+    assert grown.shape == (4, 6) and bufs.field("x", small, torch.float32, "cpu").data_ptr() == grown.data_ptr()
+    assert bufs.nbytes == (24 + 12) * 4 + 2 * 12 * 8
+    bufs.clear()
+    assert bufs.nbytes == 0

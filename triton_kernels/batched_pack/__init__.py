@@ -5,6 +5,10 @@ Dispatch: ``impl="auto"`` runs the Triton kernel for CUDA tensors and the torch 
 is ``slices.py`` (one slice copy per sequence); ``reference.py``'s per-token scatter (``pack_field_reference``,
 ``position_ids_reference``) is the specification both are tested against.
 
+Outputs: fresh tensors by default; ``out=`` writes into the caller's (a ``PackedBatch`` from an earlier call with
+the same plan shape, or a ``PackBuffers`` that hands out reused buffers of any shape), bit for bit the same
+result. In a training loop that saves the first-touch page faults of fresh outputs (see buffers.py).
+
 Example::
 
     >>> import torch
@@ -22,14 +26,16 @@ from typing import Literal, Mapping
 import torch
 
 from ..encoding_hash import resolve_impl
+from .buffers import PackBuffers
 from .planner import MicrobatchPlan, first_fit_decreasing, karmarkar_karp, plan_microbatches
-from .reference import PackPlan, check_pack, cu_seqlens_from_plan, pack_field_reference, position_ids_reference
+from .reference import (PackPlan, check_out, check_pack, cu_seqlens_from_plan, overlaps, pack_field_reference,
+                        position_ids_reference)
 from .slices import pack_field_slices, position_ids_slices, slice_copies
 
 Impl = Literal["auto", "triton", "reference"]
 
-__all__ = ["PackPlan", "PackedBatch", "MicrobatchPlan", "batched_pack", "pack_field", "plan_microbatches",
-           "karmarkar_karp", "first_fit_decreasing", "check_pack", "pack_field_reference",
+__all__ = ["PackPlan", "PackedBatch", "PackBuffers", "MicrobatchPlan", "batched_pack", "pack_field",
+           "plan_microbatches", "karmarkar_karp", "first_fit_decreasing", "check_pack", "pack_field_reference",
            "position_ids_reference", "pack_field_slices", "position_ids_slices"]
 
 
@@ -47,19 +53,27 @@ class PackedBatch:
 
 
 def pack_field(values: torch.Tensor, seq_offsets: torch.Tensor, plan: PackPlan, pad_value: float | int | bool = 0,
-               *, impl: Impl = "auto") -> torch.Tensor:
-    """One field, [num_rows, row_len], ``pad_value`` where no sequence is placed."""
+               *, impl: Impl = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
+    """One field, [num_rows, row_len], ``pad_value`` where no sequence is placed. ``out``: a contiguous
+    [num_rows, row_len] tensor of values' dtype and device, rewritten in full and returned (ValueError/TypeError
+    on a wrong shape, dtype, device or layout, or one overlapping ``values``)."""
     if resolve_impl(impl, values.device) == "reference":
-        return pack_field_slices(values, seq_offsets, plan, pad_value)
+        return pack_field_slices(values, seq_offsets, plan, pad_value, out=out)
     from .kernel import pack_field_triton  # lazy: the reference path never needs triton
 
-    return pack_field_triton(values, seq_offsets, plan, pad_value)
+    return pack_field_triton(values, seq_offsets, plan, pad_value, out=out)
 
 
 def batched_pack(fields: Mapping[str, torch.Tensor], seq_offsets: torch.Tensor, plan: PackPlan,
-                 pad_values: Mapping[str, float | int | bool] | None = None, *, impl: Impl = "auto") -> PackedBatch:
+                 pad_values: Mapping[str, float | int | bool] | None = None, *, impl: Impl = "auto",
+                 out: PackedBatch | PackBuffers | None = None) -> PackedBatch:
     """Pack every field (one launch each) and derive position_ids and cu_seqlens from the plan. Pads default
-    to 0 / 0.0 / False; override per field with ``pad_values``."""
+    to 0 / 0.0 / False; override per field with ``pad_values``.
+
+    ``out``: where the fields and position_ids go instead of fresh tensors. A ``PackBuffers`` hands out its
+    reused buffers; a ``PackedBatch`` (same field names, shapes and dtypes, e.g. the previous step's) is
+    overwritten and returned, with cu_seqlens, seq_counts and plan replaced (those are small, and cu_seqlens'
+    width follows the plan). Every output is validated before anything is written."""
     if not fields:
         raise ValueError("fields is empty: pass at least one per-token field")
     pads = dict(pad_values or {})
@@ -67,16 +81,49 @@ def batched_pack(fields: Mapping[str, torch.Tensor], seq_offsets: torch.Tensor, 
     if unknown:
         raise ValueError(f"pad_values names fields that were not given: {sorted(unknown)}")
     device = next(iter(fields.values())).device
+    outs, pos_out = _resolve_out(out, fields, plan, device)
     if resolve_impl(impl, device) == "reference":
         copies = slice_copies(seq_offsets, plan)  # once for all fields
-        packed = {name: pack_field_slices(v, seq_offsets, plan, pads.get(name, 0), copies=copies)
+        packed = {name: pack_field_slices(v, seq_offsets, plan, pads.get(name, 0), copies=copies, out=outs[name])
                   for name, v in fields.items()}
-        pos = position_ids_slices(seq_offsets, plan, device, copies=copies)
+        pos = position_ids_slices(seq_offsets, plan, device, copies=copies, out=pos_out)
     else:
-        packed = {name: pack_field(v, seq_offsets, plan, pads.get(name, 0), impl=impl) for name, v in fields.items()}
+        packed = {name: pack_field(v, seq_offsets, plan, pads.get(name, 0), impl=impl, out=outs[name])
+                  for name, v in fields.items()}
         from .kernel import position_ids_triton
 
-        pos = position_ids_triton(seq_offsets, plan, device)
+        pos = position_ids_triton(seq_offsets, plan, device, out=pos_out)
     cu, counts = cu_seqlens_from_plan(seq_offsets, plan)
+    if isinstance(out, PackedBatch):
+        out.fields, out.position_ids, out.plan = packed, pos, plan
+        out.cu_seqlens, out.seq_counts = cu.to(device), counts.to(device)
+        return out
     return PackedBatch(fields=packed, position_ids=pos, cu_seqlens=cu.to(device), seq_counts=counts.to(device),
                        plan=plan)
+
+
+def _resolve_out(out: PackedBatch | PackBuffers | None, fields: Mapping[str, torch.Tensor], plan: PackPlan,
+                 device: torch.device) -> tuple[dict[str, torch.Tensor | None], torch.Tensor | None]:
+    """(an output buffer or None per field, the position_ids buffer or None), all checked: right shape, dtype,
+    device and layout, no two sharing memory, none sharing memory with an input field."""
+    if out is None:
+        return dict.fromkeys(fields), None
+    if isinstance(out, PackBuffers):
+        outs = {name: out.field(name, plan, v.dtype, v.device) for name, v in fields.items()}
+        pos = out.position_ids(plan, device)
+    elif isinstance(out, PackedBatch):
+        if set(out.fields) != set(fields):
+            raise ValueError(f"out has fields {sorted(out.fields)}, the batch has {sorted(fields)}")
+        outs, pos = dict(out.fields), out.position_ids
+    else:
+        raise TypeError(f"out must be a PackedBatch, a PackBuffers or None, got {type(out).__name__}")
+    sources = tuple(fields.values())
+    for name, v in fields.items():
+        check_out(outs[name], plan, v.dtype, v.device, name, sources)
+    check_out(pos, plan, torch.int64, device, "position_ids", sources)
+    named = list(outs.items()) + [("position_ids", pos)]
+    for i, (a, ta) in enumerate(named):
+        for b, tb in named[i + 1:]:
+            if overlaps(ta, tb):
+                raise ValueError(f"out for {a!r} and out for {b!r} share memory")
+    return outs, pos

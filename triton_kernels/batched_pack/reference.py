@@ -104,6 +104,36 @@ def check_pack(values: torch.Tensor, seq_offsets: torch.Tensor, plan: PackPlan) 
     return lengths
 
 
+def check_out(out: torch.Tensor, plan: PackPlan, dtype: torch.dtype, device: torch.device, what: str,
+              sources: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    """Validate a caller's output buffer for ``what`` (a field name or "position_ids"): a contiguous
+    [num_rows, row_len] tensor of ``dtype`` on ``device`` that shares no byte with ``sources`` (the inputs it is
+    packed from: a copy into its own source would read what it has already overwritten). Returns ``out``."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out for {what!r} must be a tensor, got {type(out).__name__}")
+    shape = (plan.num_rows, plan.row_len)
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out for {what!r} has shape {tuple(out.shape)}, the plan needs {shape}")
+    if out.dtype != dtype:
+        raise TypeError(f"out for {what!r} is {out.dtype}, the packed values are {dtype}")
+    if out.device.type != device.type or (device.index is not None and out.device.index != device.index):
+        raise ValueError(f"out for {what!r} is on {out.device}, the packed values are on {device}")
+    if not out.is_contiguous():
+        raise ValueError(f"out for {what!r} must be contiguous (the copies write it as one flat buffer)")
+    for src in sources:
+        if overlaps(out, src):
+            raise ValueError(f"out for {what!r} overlaps the memory it is packed from")
+    return out
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share a byte (by address range; empty tensors share nothing)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 def _token_index(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(sequence id, index within the sequence) of every token, in ragged order."""
     seq = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)

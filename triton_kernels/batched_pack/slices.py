@@ -5,10 +5,15 @@ Why
 The per-token scatter in ``reference.py`` is the specification, but it builds an int64 index per token
 (8 bytes of index per moved value) and scatters through it, ~5% of a memcpy on a CPU. A sequence is a contiguous
 run in the ragged source and in its row, so the packed buffer, read in destination order, is just a list of
-pieces: a source slice per sequence and pad runs between them. One ``torch.cat(pieces, out=...)`` per field
+pieces: a source slice per sequence and pad runs between them. One concatenation of the pieces per field
 writes every output element exactly once (no pad fill to overwrite, no index) and moves each token once, at
 memcpy speed for long sequences. ``tests/equivalence/test_kernel_pack_equivalence.py`` checks it against the
 scatter and the Triton kernel, bit for bit.
+
+On CPU the concatenation is ``np.concatenate(pieces, out=...)`` over numpy views of the same memory: one tight
+single-threaded copy loop. ``torch.cat(out=)`` runs such a loop only with one torch thread; with more it copies
+piece by piece through TensorIterator (several us each, and pieces under its 32k-element grain never run in
+parallel anyway), which made ~1000 pieces per field cost more than the bytes. Other devices keep ``torch.cat``.
 
 Bytes moved, per field of itemsize b: reads T * b, writes num_rows * row_len * b (pads included): less than the
 scatter's fill + T * b that ``repro.kernels.pack_bytes`` counts, so GB/s figures stay comparable.
@@ -26,11 +31,13 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from itertools import accumulate
+from typing import Sequence, Union
 
+import numpy as np
 import torch
 
-from .reference import PackPlan, check_pack
+from .reference import PackPlan, check_out, check_pack
 
 _SAME_WIDTH_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -82,34 +89,65 @@ def _as_int(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).view(as_int) if t.dtype == torch.bool else t.view(as_int)
 
 
-def _assemble(copies: SliceCopies, sequences: Sequence[torch.Tensor], pad: torch.Tensor, out: torch.Tensor) -> None:
-    """out[:] = the pieces in destination order, in one cat (which copies each piece into place: with one thread
-    a tight memcpy loop, else one copy per piece; a piece view costs ~0.5 us of Python, so split, not slice)."""
+Buf = Union[torch.Tensor, np.ndarray]
+
+
+def _host(t: torch.Tensor) -> Buf:
+    """A CPU tensor as a numpy array over the same memory (see the module doc: why numpy); others unchanged."""
+    return t.detach().numpy() if t.device.type == "cpu" else t
+
+
+def _split(src: Buf, lengths: list[int]) -> list[Buf]:
+    """Consecutive views of ``src`` of the given lengths (which sum to its length)."""
+    if isinstance(src, np.ndarray):  # numpy slicing is ~0.2 us a view; np.split ~1.7 us
+        ends = list(accumulate(lengths))
+        return [src[a:b] for a, b in zip([0] + ends[:-1], ends)]
+    return list(src.split(lengths))
+
+
+def _assemble(copies: SliceCopies, sequences: Sequence[Buf], pad: Buf, out: Buf) -> None:
+    """out[:] = the pieces in destination order, in one concatenation that copies each piece into place. All
+    numpy (CPU) or all torch (a torch view costs ~0.5 us of Python, so ``split``, not slices, there)."""
     if copies.total:
         views = list(sequences) + [pad[:n] for n in copies.pad_lengths]
-        torch.cat([views[i] for i in copies.order], out=out)
+        pieces = [views[i] for i in copies.order]
+        if isinstance(out, np.ndarray):
+            np.concatenate(pieces, out=out)
+        else:
+            torch.cat(pieces, out=out)
 
 
 def pack_field_slices(values: torch.Tensor, seq_offsets: torch.Tensor, plan: PackPlan,
-                      pad_value: float | int | bool = 0, copies: SliceCopies | None = None) -> torch.Tensor:
-    """out[row[i], offset[i] + t] = values[seq_offsets[i] + t]; everything else ``pad_value`` (as the reference)."""
+                      pad_value: float | int | bool = 0, copies: SliceCopies | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """out[row[i], offset[i] + t] = values[seq_offsets[i] + t]; everything else ``pad_value`` (as the reference).
+    ``out``: a contiguous [num_rows, row_len] buffer of values' dtype and device to write instead of a fresh one;
+    every element is rewritten (the pad runs are pieces of the cat), so what it held before cannot leak."""
     check_pack(values, seq_offsets, plan)
     if copies is None:
         copies = slice_copies(seq_offsets, plan)
-    out = torch.empty(plan.num_rows, plan.row_len, dtype=values.dtype, device=values.device)
+    if out is None:
+        out = torch.empty(plan.num_rows, plan.row_len, dtype=values.dtype, device=values.device)
+    else:
+        check_out(out, plan, values.dtype, values.device, "field", sources=(values,))
     pad = torch.full((max(copies.pad_lengths, default=0),), pad_value, dtype=values.dtype, device=values.device)
-    src = _as_int(values)[copies.first:copies.first + sum(copies.seq_lengths)]
-    _assemble(copies, src.split(copies.seq_lengths), _as_int(pad), _as_int(out).view(-1))
+    src = _host(_as_int(values))[copies.first:copies.first + sum(copies.seq_lengths)]
+    _assemble(copies, _split(src, copies.seq_lengths), _host(_as_int(pad)), _host(_as_int(out).view(-1)))
     return out
 
 
 def position_ids_slices(seq_offsets: torch.Tensor, plan: PackPlan, device: torch.device | str = "cpu",
-                        copies: SliceCopies | None = None) -> torch.Tensor:
-    """int64 [num_rows, row_len]: 0, 1, ... within each sequence, 0 on padding (as the reference)."""
+                        copies: SliceCopies | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [num_rows, row_len]: 0, 1, ... within each sequence, 0 on padding (as the reference). ``out``: a
+    buffer to rewrite in full instead of a fresh one (as in ``pack_field_slices``)."""
     if copies is None:
         copies = slice_copies(seq_offsets, plan)
-    out = torch.empty(plan.num_rows, plan.row_len, dtype=torch.int64, device=device)
-    ramp = torch.arange(max(copies.seq_lengths, default=0), dtype=torch.int64, device=device)
-    pad = torch.zeros(max(copies.pad_lengths, default=0), dtype=torch.int64, device=device)
-    _assemble(copies, [ramp[:n] for n in copies.seq_lengths], pad, out.view(-1))
+    if out is None:
+        out = torch.empty(plan.num_rows, plan.row_len, dtype=torch.int64, device=device)
+    else:
+        check_out(out, plan, torch.int64, torch.device(device), "position_ids")
+    device = out.device
+    ramp = _host(torch.arange(max(copies.seq_lengths, default=0), dtype=torch.int64, device=device))
+    pad = _host(torch.zeros(max(copies.pad_lengths, default=0), dtype=torch.int64, device=device))
+    _assemble(copies, [ramp[:n] for n in copies.seq_lengths], pad, _host(out.view(-1)))
     return out
