@@ -17,7 +17,7 @@ export TRITON_INTERPRET ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PYTHONUNBUFFERED := 1
 
-TABLES ?= staleness kernels transfer
+TABLES ?= staleness simcheck kernels transfer quality speedup
 
 .PHONY: all setup test test-vllm gate repro bench clean
 

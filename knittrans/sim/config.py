@@ -44,6 +44,13 @@ class EngineConfig:
     """Seconds per decode step (one token for every active sequence) at light load."""
     load_alpha: float = 0.0
     """Load dependence: step time = tpot * (1 + load_alpha * active / slots)."""
+    interference: float = 0.0
+    """Decode slows by this fraction while the trainer computes: rollout and training sharing hardware (a CPU
+    testbed, or time-shared GPUs). 0 for disaggregated clusters."""
+    wave_groups: int = 0
+    """0: continuous batching. k > 0: static batching, as a plain HF ``generate`` call does: an idle engine starts
+    a wave of up to k groups (as many as flow control allows), and every sequence of the wave is returned when
+    the longest one finishes."""
 
     def step_time(self, active: int) -> float:
         return self.tpot * (1.0 + self.load_alpha * active / self.slots)
@@ -55,6 +62,9 @@ class TrainerConfig:
     """Seconds per optimizer step regardless of size (optimizer, collectives, launch)."""
     per_token: float = 12.5e-6
     """Seconds per response token of forward + backward (plus old-logprob recompute)."""
+    interference: float = 0.0
+    """A step that starts while rollout is generating takes this fraction longer (shared hardware; see
+    ``EngineConfig.interference``)."""
 
     def step_time(self, tokens: int) -> float:
         return self.step_overhead + self.per_token * tokens

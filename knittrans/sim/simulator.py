@@ -95,7 +95,7 @@ class SimResult:
 
 
 class _Engine:
-    __slots__ = ("idx", "heap", "tau", "last", "paused", "epoch", "busy", "slot_seconds")
+    __slots__ = ("idx", "heap", "tau", "last", "paused", "epoch", "busy", "slot_seconds", "slow")
 
     def __init__(self, idx: int) -> None:
         self.idx = idx
@@ -106,12 +106,13 @@ class _Engine:
         self.epoch = 0
         self.busy = 0.0
         self.slot_seconds = 0.0
+        self.slow = 1.0  # decode-step multiplier (interference from a trainer sharing the hardware)
 
     def advance(self, now: float, cfg) -> None:
         dt = now - self.last
         if dt > 0 and self.heap and not self.paused:
             n = len(self.heap)
-            self.tau += dt / cfg.step_time(n)
+            self.tau += dt / (cfg.step_time(n) * self.slow)
             self.busy += dt
             self.slot_seconds += dt * n
         self.last = now
@@ -160,7 +161,7 @@ class Simulator:
         e.epoch += 1
         if e.paused or not e.heap:
             return
-        t = self.now + max(0.0, e.heap[0][0] - e.tau) * self.cfg.engine.step_time(len(e.heap))
+        t = self.now + max(0.0, e.heap[0][0] - e.tau) * self.cfg.engine.step_time(len(e.heap)) * e.slow
         self._push(t, _ENGINE, e.idx, e.epoch)
 
     def _note_timeline(self, e: _Engine) -> None:
@@ -236,6 +237,9 @@ class Simulator:
         return True
 
     def _dispatch(self) -> None:
+        if self.cfg.engine.wave_groups:
+            self._dispatch_waves()
+            return
         eng_cfg = self.cfg.engine
         while self.next_group < len(self.groups):
             bi, gid, lens, ids = self.groups[self.next_group]
@@ -260,6 +264,41 @@ class Simulator:
             self.next_group += 1
             self.inflight_groups += 1
             self.submitted += n
+            self._note_timeline(e)
+            self._schedule_engine(e)
+
+    def _dispatch_waves(self) -> None:
+        """Static batching: each idle engine takes up to ``wave_groups`` groups; the wave ends with its longest
+        sequence, and all its sequences complete then."""
+        eng_cfg = self.cfg.engine
+        for e in self.engines:
+            if e.heap or e.paused:
+                continue
+            wave = []
+            while self.next_group < len(self.groups) and len(wave) < eng_cfg.wave_groups:
+                bi, gid, lens, ids = self.groups[self.next_group]
+                if sum(len(w[3]) for w in wave) + len(ids) > eng_cfg.slots:
+                    raise ValueError(f"a wave of {eng_cfg.wave_groups} groups needs more than {eng_cfg.slots} slots")
+                if not self._flow_allows(len(ids), bi):
+                    break
+                while self.batches_added <= bi:
+                    self.policy.add_batch(self.batches[self.batches_added].plan)
+                    self.batches_added += 1
+                wave.append(self.groups[self.next_group])
+                self.next_group += 1
+                self.inflight_groups += 1
+                self.submitted += len(ids)
+            if not wave:
+                return
+            e.advance(self.now, eng_cfg)
+            longest = max(int(lens.max()) for _, _, lens, _ in wave)
+            for _, _, lens, ids in wave:
+                for tid in ids:
+                    heapq.heappush(e.heap, (e.tau + float(longest), tid))
+                    self.rec.t_dispatch[tid] = self.now
+                    self.rec.t_start[tid] = self.now
+                    self.rec.v_gen[tid] = self.engine_version
+                    self.traj_engine[tid] = e.idx
             self._note_timeline(e)
             self._schedule_engine(e)
 
@@ -306,15 +345,27 @@ class Simulator:
         self.rec.step[ids] = len(self.steps)
         self.rec.mb_index[ids] = mb.index
         dur = self.cfg.trainer.step_time(mb.num_tokens)
+        if self.cfg.trainer.interference and any(e.heap and not e.paused for e in self.engines):
+            dur *= 1.0 + self.cfg.trainer.interference
+        self._set_engine_slowdown(1.0 + self.cfg.engine.interference)
         self.steps.append(StepRecord(self.now, self.now + dur, mb.batch_id, mb.index, mb.size, mb.num_tokens,
                                      len(mb.violations)))
         self.trainer_busy = True
         self._current = mb
         self._push(self.now + dur, _TRAINER_DONE, len(self.steps) - 1)
 
+    def _set_engine_slowdown(self, slow: float) -> None:
+        if not self.cfg.engine.interference:
+            return
+        for e in self.engines:
+            e.advance(self.now, self.cfg.engine)  # progress so far at the old rate
+            e.slow = slow
+            self._schedule_engine(e)
+
     def _on_step_done(self, step_idx: int) -> None:
         mb = self._current
         self.trainer_busy = False
+        self._set_engine_slowdown(1.0)
         self.version += 1
         for tid in mb.traj_ids:
             gi = int(self.traj_group[tid])

@@ -1,0 +1,155 @@
+"""Calibrate the simulator from a real run and replay the run's settings in it.
+
+From a real run (``knittrans.runtime.RunResult``) this fits the simulator's time model and rebuilds its workload:
+
+- **rollout**: the real engine generates static waves (a plain HF ``generate`` call returns every sequence when
+  the longest one ends), so the simulator runs ``wave_groups`` static batching too. Waves are recovered from the
+  trace (trajectories dispatched together) and their durations fitted as
+  ``longest * tpot * (1 + load_alpha * active / slots)`` by least squares;
+- **trainer**: ``step_s = step_overhead + per_token * tokens``, least squares over the run's steps;
+- **interference**: on shared hardware (this CPU testbed) each side runs slower while the other is busy: each
+  side's model is fitted on its intervals that ran alone, and the slowdown from those that overlapped;
+- **sync**: the measured mean cost of a weight publication plus load;
+- **workload**: the run's own groups and response lengths, batch by batch.
+
+The same admission policy, in-flight budget, batch constraints and sync policy then run in the simulator, and
+``compare`` reports both mean staleness values. Contention between the rollout and trainer threads on a shared
+machine is part of the measured times, so it is part of the calibrated model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from knittrans.constraints import BatchConstraints
+from knittrans.sim.config import (EngineConfig, FlowConfig, FlowKind, Inflight, Mode, SimConfig, SyncConfig,
+                                  SyncPolicy, TrainerConfig)
+from knittrans.sim.simulator import simulate
+from knittrans.types import BatchPlan, GroupSpec
+from workloads.text import WorkloadBatch
+
+_SYNC = {"every_step": SyncPolicy.EVERY_STEP, "every_k_steps": SyncPolicy.EVERY_K,
+         "every_batch": SyncPolicy.EVERY_BATCH}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    sim: SimConfig
+    batches: list[WorkloadBatch]
+    constraints: BatchConstraints
+    policy: str
+    wave_fit_r2: float
+    step_fit_r2: float
+
+
+@dataclass(frozen=True)
+class Comparison:
+    mode: str
+    budget: int
+    measured_mean: float
+    simulated_mean: float
+    measured_p99: float
+    simulated_p99: float
+    calibration: Calibration
+
+    @property
+    def rel_error(self) -> float:
+        return abs(self.simulated_mean - self.measured_mean) / max(abs(self.measured_mean), 1e-9)
+
+
+def _fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
+    """Least squares y = a + b x, with a, b >= 0; returns (a, b, r^2)."""
+    if len(x) < 2 or np.ptp(x) == 0:
+        return float(np.mean(y)), 0.0, 0.0
+    b, a = np.polyfit(x, y, 1)
+    if a < 0:
+        a, b = 0.0, float(np.sum(x * y) / np.sum(x * x))
+    if b < 0:
+        a, b = float(np.mean(y)), 0.0
+    pred = a + b * x
+    ss = float(np.sum((y - y.mean()) ** 2))
+    return float(a), float(b), (1 - float(np.sum((y - pred) ** 2)) / ss) if ss > 0 else 0.0
+
+
+def _overlap(iv: tuple[float, float], others: list[tuple[float, float]]) -> float:
+    """Seconds of ``iv`` covered by the union of ``others`` (intervals of one side never overlap each other)."""
+    a, b = iv
+    return sum(max(0.0, min(b, d) - max(a, c)) for c, d in others)
+
+
+def _excess(actual: np.ndarray, predicted: np.ndarray) -> float:
+    """Median relative excess of actual over predicted (>= 0); 0 when nothing overlapped."""
+    if len(actual) == 0:
+        return 0.0
+    return max(0.0, float(np.median(actual / np.maximum(predicted, 1e-12))) - 1.0)
+
+
+def calibrate(run) -> Calibration:
+    """Fit the simulator's time model to ``run`` and rebuild its workload (see the module docstring)."""
+    cfg = run.config
+    trajs = sorted(run.trajectories, key=lambda t: t.traj_id)
+    n, W = cfg.group_size, cfg.wave_groups
+    slots = W * n
+    # waves: trajectories dispatched at the same instant, by the same generate call
+    waves: dict[float, list] = {}
+    for t in trajs:
+        waves.setdefault(round(t.t_dispatch, 9), []).append(t)
+    longest = np.array([max(t.num_tokens for t in w) for w in waves.values()], dtype=float)
+    active = np.array([len(w) for w in waves.values()], dtype=float)
+    w_iv = [(w[0].t_dispatch, max(t.t_complete for t in w)) for w in waves.values()]
+    dur = np.array([b - a for a, b in w_iv])
+    steps = run.steps
+    s_iv = [(s.t_start, s.t_end) for s in steps]
+    # Interference: on shared hardware each side runs slower while the other is busy. Fit each side's time model
+    # on its intervals that ran alone, and the slowdown as the median excess of those that overlapped the other.
+    w_shared = np.array([_overlap(iv, s_iv) > 0.5 * (iv[1] - iv[0]) for iv in w_iv])
+    s_shared = np.array([_overlap(iv, w_iv) > 0.5 * (iv[1] - iv[0]) for iv in s_iv])
+    alone = ~w_shared if (~w_shared).sum() >= 2 else np.ones_like(w_shared)
+    per_step = dur / longest  # per decode step: tpot * (1 + alpha * active / slots)
+    base, slope, r2_wave = _fit(active[alone] / slots, per_step[alone])
+    tpot = max(base, 1e-9)
+    alpha = slope / tpot if base > 0 else 0.0
+    eng_int = _excess(per_step[w_shared], tpot * (1 + alpha * active[w_shared] / slots))
+    tokens = np.array([s.tokens for s in steps], dtype=float)
+    step_s = np.array([s.step_s for s in steps])
+    alone = ~s_shared if (~s_shared).sum() >= 2 else np.ones_like(s_shared)
+    overhead, per_token, r2_step = _fit(tokens[alone], step_s[alone])
+    tr_int = _excess(step_s[s_shared], overhead + per_token * tokens[s_shared])
+    timings = run.timings()
+    sync_cost = timings.sync_s_mean if np.isfinite(timings.sync_s_mean) else 0.0
+    colocated = cfg.mode == "colocated"
+    sim = SimConfig(
+        mode=Mode.COLOCATED if colocated else Mode.DISAGGREGATED,
+        engine=EngineConfig(num_engines=1, slots=slots, tpot=tpot, load_alpha=alpha, wave_groups=W,
+                            interference=0.0 if colocated else eng_int),
+        trainer=TrainerConfig(step_overhead=overhead, per_token=per_token,
+                              interference=0.0 if colocated else tr_int),
+        sync=SyncConfig(policy=_SYNC[str(cfg.sync.value if hasattr(cfg.sync, "value") else cfg.sync)],
+                        k=cfg.sync_every, cost=sync_cost, inflight=Inflight.CONTINUE),
+        flow=FlowConfig(kind=FlowKind.GROUPS, budget_groups=cfg.budget),
+        colocated_switch_cost=sync_cost)
+    by_batch: dict[int, dict[int, list]] = {}
+    for t in trajs:
+        by_batch.setdefault(t.batch_id, {}).setdefault(t.group_id, []).append(t)
+    batches = []
+    for b in sorted(by_batch):
+        groups = tuple(GroupSpec(g, b, len(ts)) for g, ts in sorted(by_batch[b].items()))
+        lengths = {g: np.array([t.num_tokens for t in ts], dtype=np.int64) for g, ts in by_batch[b].items()}
+        batches.append(WorkloadBatch(BatchPlan(b, groups), lengths))
+    c = BatchConstraints(batch_size=cfg.prompts_per_batch * n, num_minibatches=cfg.num_minibatches,
+                         group_size=n, max_response_len=cfg.max_new_tokens)
+    return Calibration(sim, batches, c, "train_batch" if colocated else cfg.mode, r2_wave, r2_step)
+
+
+def compare(run) -> Comparison:
+    """Mean staleness measured in ``run`` against the calibrated simulator's for the same settings."""
+    from baselines.admission import make_policy
+
+    cal = calibrate(run)
+    res = simulate(cal.sim, make_policy(cal.policy, cal.constraints), cal.batches)
+    measured = run.staleness()
+    simulated = res.records.staleness
+    return Comparison(run.config.mode, run.config.budget, float(measured.mean()), float(simulated.mean()),
+                      float(np.percentile(measured, 99)), float(np.percentile(simulated, 99)), cal)
