@@ -31,7 +31,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from repro.logger import log_results, make_logger
+from repro.logger import publish
 from repro.results import Claim, Results
 
 IMAGE_BYTES = 448 * 448 * 3 * 4  # one 448x448 RGB image in fp32
@@ -346,12 +346,7 @@ def notes(device: torch.device, memcpy: float, spec: float | None) -> str:
 @hydra.main(config_path="conf", config_name="kernels", version_base=None)
 def main(cfg: KernelsConfig) -> None:
     obj: KernelsConfig = OmegaConf.to_object(cfg)
-    results = run(obj)
-    logger = make_logger(obj.logger, project="knittrans", name="kernels", out_dir=obj.out_dir,
-                         config=OmegaConf.to_container(cfg, resolve=True))
-    log_results(logger, results)
-    logger.finish()
-    results.write(config=cfg, seed=obj.seed)
+    publish(run(obj), obj.logger, "kernels", config=cfg, seed=obj.seed)
 
 
 if __name__ == "__main__":

@@ -123,3 +123,29 @@ def log_results(logger: Logger, results: Any) -> None:
     summary = Path(results.out_dir) / "summary.json"
     if summary.exists():
         logger.log_artifact(summary, name=f"{results.table}-summary".replace("/", "-"))
+
+
+def publish(results: Any, logger_kind: str, name: str, config: Any = None, seed: int | None = None) -> dict:
+    """Write a table per the results contract, then log it (so summary.json exists to log as an artifact).
+
+    ``config`` may be a dataclass, an OmegaConf config or a dict; it is written as config.yaml and logged as the
+    run's config. Returns the summary (also printed as the last stdout line by ``Results.write``)."""
+    import dataclasses
+
+    summary = results.write(config=config, seed=seed)
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        plain = dataclasses.asdict(config)
+    else:
+        try:
+            from omegaconf import OmegaConf
+
+            plain = OmegaConf.to_container(config, resolve=True) if OmegaConf.is_config(config) else config
+        except ImportError:  # pragma: no cover
+            plain = config
+    logger = make_logger(logger_kind, project="knittrans", name=name, out_dir=results.out_dir,
+                         config=plain if isinstance(plain, dict) else None)
+    try:
+        log_results(logger, results)
+    finally:
+        logger.finish()
+    return summary

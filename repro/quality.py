@@ -26,7 +26,7 @@ smoke run).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import hydra
 import numpy as np
@@ -296,14 +296,10 @@ def run_table(cfg: QualityConfig):
 
 @hydra.main(config_path="conf", config_name="quality", version_base=None)
 def main(cfg) -> None:
-    from repro.logger import log_results, make_logger
+    from repro.logger import publish
 
     qc = QualityConfig(**OmegaConf.to_container(cfg, resolve=True))
-    logger = make_logger(qc.logger, project="knittrans", name="quality", out_dir=qc.out_dir, config=asdict(qc))
-    results = run_table(qc)
-    results.write(config=cfg, seed=qc.seeds[0])
-    log_results(logger, results)
-    logger.finish()
+    publish(run_table(qc), qc.logger, "quality", config=cfg, seed=qc.seeds[0])
 
 
 if __name__ == "__main__":

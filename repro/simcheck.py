@@ -12,9 +12,7 @@ the largest relative error of the simulated mean staleness (target <= 0.20). Wri
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -54,12 +52,10 @@ def run(cfg: SimCheckConf) -> dict:
     from knittrans.runtime import RuntimeConfig
     from knittrans.runtime.session import arith_setup, run_mode
     from knittrans.sim.calibrate import compare
-    from repro.logger import log_results, make_logger
+    from repro.logger import publish
     from repro.results import Claim, Results
 
     res = Results(table="sim-vs-real", out_dir=cfg.out_dir)
-    logger = make_logger(cfg.logger, project="knittrans", name="sim-vs-real", out_dir=cfg.out_dir,
-                         config=dataclasses.asdict(cfg))
     settings = [(m, b, s) for m in cfg.modes for b in cfg.budgets for s in cfg.syncs
                 if not (m == "train_batch" and b < cfg.prompts_per_batch)]
     comps = []
@@ -106,10 +102,7 @@ def run(cfg: SimCheckConf) -> dict:
                 "returns when its longest ends); its decode step time, trainer step time per token and sync cost "
                 "are fitted per run, and it replays the run's own response lengths. Contention between the "
                 "rollout and trainer threads on this machine is inside the measured times.\n")
-    summary = res.write(config=cfg)
-    log_results(logger, res)
-    logger.finish()
-    return summary
+    return publish(res, cfg.logger, "sim-vs-real", config=cfg)
 
 
 @hydra.main(config_path="conf", config_name="simcheck", version_base=None)

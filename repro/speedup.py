@@ -29,6 +29,8 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from repro.logger import publish
+
 
 @dataclass
 class SpeedupConfig:
@@ -176,7 +178,6 @@ def run_point(cfg: SpeedupConfig, n: int, k: int) -> PointResult:
 def run(cfg: SpeedupConfig):
     from tqdm import tqdm
 
-    from repro.logger import log_results, make_logger
     from repro.results import Claim, Results
 
     cfg = resolved(cfg)
@@ -198,10 +199,6 @@ def run(cfg: SpeedupConfig):
         note="vision-tower patches encoded, baseline / KnitTrans; holds iff exactly n at every point"))
     plot(results, out)
     results.text = notes(cfg)
-    logger = make_logger(cfg.logger, project="knittrans", name="speedup", out_dir=cfg.out_dir,
-                         config=dataclasses.asdict(cfg))
-    log_results(logger, results)
-    logger.finish()
     return results
 
 
@@ -258,8 +255,7 @@ def main() -> None:
     @hydra.main(config_path="conf", config_name="speedup", version_base=None)
     def app(dcfg) -> None:
         cfg: SpeedupConfig = OmegaConf.to_object(dcfg)
-        res = run(cfg)
-        res.write(config=dcfg, seed=cfg.seed)
+        publish(run(cfg), cfg.logger, "speedup", config=dcfg, seed=cfg.seed)
 
     app()
 

@@ -13,7 +13,6 @@ train-batch point on its own Pareto front, the best KnitTrans point with equal o
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,7 @@ from baselines.admission import make_policy
 from knittrans.constraints import BatchConstraints
 from knittrans.sim import (EngineConfig, FlowConfig, FlowKind, Inflight, Mode, SimConfig, SimDeadlock, SyncConfig,
                            SyncPolicy, TrainerConfig, simulate)
-from knittrans.staleness import colocated_mean_staleness, run_metrics
+from knittrans.staleness import run_metrics
 from workloads.text import TAILS, LengthDist, TextWorkloadConfig, generate_batches
 
 DAPO_PROMPTS = 512
@@ -545,14 +544,12 @@ def timeline_points(cfg: StalenessConf) -> list[Point]:
 
 
 def run(cfg: StalenessConf) -> dict:
-    from repro.logger import log_results, make_logger
+    from repro.logger import publish
     from repro.results import Results
     from repro.sweep import run_points
 
     out = Path(cfg.out_dir)
     res = Results(table="staleness", out_dir=out)
-    logger = make_logger(cfg.logger, project="knittrans", name="staleness", out_dir=out,
-                         config=dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None)
     points = build_points(cfg)
     if cfg.dapo.enabled:
         points += timeline_points(cfg)
@@ -581,10 +578,7 @@ def run(cfg: StalenessConf) -> dict:
         plot_frontiers(main, "variable_groups", res.plot_path("frontier_variable_groups.png"),
                        "variable group sizes, exact mini-batch sizes")
     res.text += _notes(cfg, matched)
-    summary = res.write(config=cfg, seed=cfg.seed)
-    log_results(logger, res)
-    logger.finish()
-    return summary
+    return publish(res, cfg.logger, "staleness", config=cfg, seed=cfg.seed)
 
 
 def _notes(cfg: StalenessConf, matched: dict[tuple, Matched | None]) -> str:
