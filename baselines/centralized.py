@@ -12,10 +12,19 @@ What verl does between rollout and the actor update (``RayPPOTrainer.fit`` -> ``
 4. **Scatter**: ``dp_compute_proto`` chunks the batch into one piece per DP rank and ships each through the Ray
    object store; each rank then splits its piece into mini-batches (``data.split``), one optimizer step each.
 
-So mini-batch 0 cannot start before the whole batch went through the driver. Choices made in the baseline's
-favour (not a strawman): outputs travel as numpy arrays (zero-copy reads from the object store, no torch
-pickling); responses are padded to the batch's longest response, not to the configured maximum response length
-as verl's rollout does; balancing uses the same token balancer as KnitTrans (without locality).
+So mini-batch 0 cannot start before the whole batch went through the driver. Padding (``CentralizedConfig.pad_to``):
+verl's agent loop pads every prompt to ``rollout.prompt_length`` (left) and every response to
+``rollout.response_length`` (right, ``padding="max_length"``), so ``pad_to="max"`` is what verl ships;
+``pad_to="longest"`` pads to the batch's longest prompt and response, a stronger baseline than verl (the
+headline claims use it). Other choices in the baseline's favour (not a strawman): outputs travel as numpy arrays
+(zero-copy reads from the object store, no torch pickling); balancing uses the same token balancer as KnitTrans
+(without locality).
+
+Across batches (verl's one-step-off and fully-async recipes): generation of batch b+1 overlaps training of batch
+b, but the driver assembles and scatters batch b+1 only after batch b's (synchronous) ``update_actor`` returns
+-- one-step-off's asyncio task can at best concat and balance b+1 at an ``await`` point inside batch b's step,
+fully-async's trainer pulls its samples from the queue at the top of the next step. ``repro.transfer`` models
+both (``central_overlap``).
 """
 
 from __future__ import annotations
@@ -36,6 +45,19 @@ class CentralizedConfig:
 
     pad_token_id: int = 0
     """Id written into padding positions of ``input_ids``."""
+    pad_to: str = "longest"
+    """"longest": pad prompts and responses to the batch's longest (stronger than verl); "max": pad them to
+    ``max_prompt_len`` / ``max_response_len`` as verl's rollout does (``padding="max_length"``)."""
+    max_prompt_len: int = 2048
+    """verl's ``data.max_prompt_length`` / ``rollout.prompt_length`` (used when ``pad_to="max"``)."""
+    max_response_len: int = 8192
+    """verl's ``data.max_response_length`` / ``rollout.response_length`` (used when ``pad_to="max"``)."""
+
+    def __post_init__(self) -> None:
+        if self.pad_to not in ("longest", "max"):
+            raise ValueError(f"CentralizedConfig.pad_to must be 'longest' or 'max', got {self.pad_to!r}")
+        if self.max_prompt_len < 1 or self.max_response_len < 1:
+            raise ValueError("CentralizedConfig.max_prompt_len and max_response_len must be >= 1")
 
 
 @dataclass
@@ -115,6 +137,10 @@ def build_dense_batch(gathered: Sequence[Sequence[TrajectoryPayload]], prompts: 
     by_id = {p.traj_id: p for chunk in gathered for p in chunk}  # DataProto.concat
     # The prompt batch repeated n times, interleaved: row g*n + i is prompt g (verl repeats before generation).
     lp = max(int(p.shape[0]) for p in prompts)
+    if config.pad_to == "max":
+        if lp > config.max_prompt_len:
+            raise ValueError(f"a prompt of {lp} tokens exceeds max_prompt_len={config.max_prompt_len}")
+        lp = config.max_prompt_len
     prompt_dense = _pad(prompts, lp, np.dtype(np.int64), left=True, fill=config.pad_token_id)
     repeated = np.repeat(prompt_dense, group_size, axis=0)
     order = np.array([t for rows in plan.rows_per_rank for t in rows], dtype=np.int64)
@@ -128,6 +154,10 @@ def build_dense_batch(gathered: Sequence[Sequence[TrajectoryPayload]], prompts: 
     prompt_lens = np.array([prompts[prompt_of[int(t)]].shape[0] for t in order])
     responses = [by_id[int(t)].tensors["input_ids"][prompt_lens[i]:] for i, t in enumerate(order)]
     lr = max(int(r.shape[0]) for r in responses)
+    if config.pad_to == "max":
+        if lr > config.max_response_len:
+            raise ValueError(f"a response of {lr} tokens exceeds max_response_len={config.max_response_len}")
+        lr = config.max_response_len
     resp = _pad(responses, lr, np.dtype(np.int64), left=False, fill=config.pad_token_id)
     input_ids = np.concatenate([prompt_rows, resp], axis=1)
     resp_lens = np.array([r.shape[0] for r in responses])

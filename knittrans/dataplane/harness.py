@@ -11,13 +11,24 @@ Exposed latency of mini-batch k on a rank (DESIGN.md, "Definitions"): the time t
 after it is ready to compute, ``t_got - max(t_ready, t0)``, where ``t_ready`` is the end of step k-1 (for k=0,
 the moment the rank asked), and ``t0`` the moment the trajectories were complete. Timestamps are
 ``time.perf_counter()`` (CLOCK_MONOTONIC, comparable across processes of one machine).
+
+Steady state (``steady_state_exposed``): ranks train ``N`` consecutive batches; batch b's trajectories are complete
+at ``t0[b]`` (for b >= 1, while the trainer still computes batch b-1), so mini-batch (b, k) is exposed by
+``t_got - max(t_ask, t0[b])``, the slowest rank's counting. The first ``warmup`` batches are excluded: their
+mini-batch 0 finds an idle trainer, which a running RL loop never has.
+
+    >>> m = lambda b, k, ask, got: MiniBatchTiming(k, ask, got, got + 1.0, 0.0, 1, 1, batch=b)
+    >>> tr = RankTrace(0, (m(0, 0, 0.0, 0.5), m(0, 1, 1.5, 1.5), m(1, 0, 2.5, 2.75), m(1, 1, 3.75, 3.75)))
+    >>> steady_state_exposed([tr], {0: 0.0, 1: 2.0}, warmup=1)
+    [[0.25, 0.0]]
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -35,6 +46,7 @@ class MiniBatchTiming:
     fetch_s: float  # duration of the get itself (claim + read + pack; 0 when data arrived as an argument)
     nbytes: int
     tokens: int
+    batch: int = 0  # which training batch (0-based within a multi-batch pass)
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,10 @@ class RankTrace:
 
     def exposed(self, t0: float) -> list[float]:
         return [max(0.0, m.t_got - max(m.t_ask, t0)) for m in self.timings]
+
+    def exposed_by_batch(self, t0: Mapping[int, float]) -> dict[tuple[int, int], float]:
+        """``(batch, mini-batch index) -> exposed seconds``, each batch against its own completion time."""
+        return {(m.batch, m.index): max(0.0, m.t_got - max(m.t_ask, t0[m.batch])) for m in self.timings}
 
 
 def emulate_compute(tokens: int, iters_per_token: float) -> None:
@@ -89,3 +105,40 @@ def summarize_exposed(traces: Sequence[RankTrace], t0: float) -> list[float]:
     """Per mini-batch exposed latency: the slowest rank's (a step starts when every rank can start it)."""
     per_rank = [tr.exposed(t0) for tr in traces]
     return [max(col) for col in zip(*per_rank)]
+
+
+def steady_state_exposed(traces: Sequence[RankTrace], t0: Mapping[int, float], warmup: int = 1) -> list[list[float]]:
+    """Per measured batch (``batch >= warmup``, in order), the per-mini-batch exposed latency: the slowest rank's
+    wait for data after it was ready, counted from ``max(t_ask, t0[batch])``. Every rank must have recorded the
+    same (batch, mini-batch) pairs."""
+    per_rank = [tr.exposed_by_batch(t0) for tr in traces]
+    keys = sorted(per_rank[0]) if per_rank else []
+    if any(sorted(p) != keys for p in per_rank):
+        raise ValueError("steady_state_exposed: ranks recorded different (batch, mini-batch) pairs")
+    out: dict[int, list[float]] = {}
+    for b, k in keys:
+        if b >= warmup:
+            out.setdefault(b, []).append(max(p[(b, k)] for p in per_rank))
+    return [out[b] for b in sorted(out)]
+
+
+@dataclass
+class Signals:
+    """A thread-safe board of one-shot events with a value (a timestamp): ``set(key, value)`` once, ``wait(key)``
+    blocks on a condition variable until it is set. The multi-batch benchmark uses it for "rank 0 started step
+    (b, k)" (what makes batch b+1's rollout complete) and "batch b is complete at t0" (what a rank without a
+    data plane waits for)."""
+
+    _values: dict[Hashable, float] = field(default_factory=dict)
+    _cv: threading.Condition = field(default_factory=threading.Condition)
+
+    def set(self, key: Hashable, value: float) -> None:
+        with self._cv:
+            self._values.setdefault(key, value)
+            self._cv.notify_all()
+
+    def wait(self, key: Hashable, timeout: float | None = None) -> float:
+        with self._cv:
+            if not self._cv.wait_for(lambda: key in self._values, timeout=timeout):
+                raise TimeoutError(f"signal {key!r} not set within {timeout} s")
+            return self._values[key]

@@ -5,9 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from baselines.centralized import balance_plan, build_dense_batch, rank_minibatches, real_tokens
+from baselines.centralized import CentralizedConfig, balance_plan, build_dense_batch, rank_minibatches, real_tokens
 from baselines.transferqueue_adapter import required_ray_cpus, transferqueue_available
-from knittrans.dataplane.harness import MiniBatchTiming, RankTrace, summarize_exposed
+from knittrans.dataplane import MiniBatchKey
+from knittrans.dataplane.harness import (MiniBatchTiming, RankTrace, Signals, steady_state_exposed,
+                                         summarize_exposed)
 from workloads.text_data import TextDataConfig, make_text_batch
 
 
@@ -65,7 +67,7 @@ def test_tiny_transfer_table_runs_in_process(tmp_path):
     from repro.transfer import TextWorkload, TransferConfig, run
 
     cfg = TransferConfig(text=TextWorkload(num_prompts=4, group_size=4, prompt_len_mean=16, response_len_median=32,
-                                           max_response_len=128),
+                                           response_len_sigma=1.0, max_response_len=128),
                          systems=["knittrans-inproc"], num_minibatches=2, compute_s_per_minibatch=0.01, repeats=1,
                          logger="none", out_dir=str(tmp_path))
     res = run(cfg)
@@ -75,3 +77,133 @@ def test_tiny_transfer_table_runs_in_process(tmp_path):
     assert row["system"] == "knittrans-inproc" and row["bytes_moved"] == batch.nbytes
     assert len([k for k in row if k.startswith("exposed_mb") and k[10:-2].isdigit()]) == 2
     assert (tmp_path / "exposed_latency.png").exists()
+
+
+# -- the multi-batch (steady-state) measurement ------------------------------------------------------------------
+
+
+def _t(b, k, ask, got):
+    return MiniBatchTiming(k, ask, got, got + 1.0, 0.0, 1, 1, batch=b)
+
+
+def test_steady_state_exposed_counts_from_ready_or_completion_whichever_is_later_and_drops_warmup():
+    # Batch 0 (warm-up): idle trainer, completes at 0. Batch 1 completes at 1.5, while rank 0 still computes
+    # (ready at 2.0): exposed from 2.0. Batch 2 completes at 5.0, after both ranks were ready: exposed from 5.0.
+    t0 = {0: 0.0, 1: 1.5, 2: 5.0}
+    a = RankTrace(0, (_t(0, 0, 0.0, 0.5), _t(0, 1, 1.5, 1.5), _t(1, 0, 2.0, 2.25), _t(1, 1, 3.25, 3.25),
+                      _t(2, 0, 4.25, 5.5), _t(2, 1, 6.5, 6.5)))
+    b = RankTrace(1, (_t(0, 0, 0.0, 0.75), _t(0, 1, 1.75, 1.75), _t(1, 0, 2.5, 2.5), _t(1, 1, 3.5, 4.0),
+                      _t(2, 0, 4.5, 5.25), _t(2, 1, 6.25, 6.25)))
+    rows = steady_state_exposed([a, b], t0, warmup=1)
+    assert len(rows) == 2 and rows[0] == pytest.approx([0.25, 0.5]) and rows[1] == pytest.approx([0.5, 0.0])
+    assert steady_state_exposed([a, b], t0, warmup=0)[0] == pytest.approx([0.75, 0.0])
+    assert steady_state_exposed([a, b], t0, warmup=3) == []
+
+
+def test_steady_state_exposed_refuses_ranks_that_recorded_different_steps():
+    a = RankTrace(0, (_t(0, 0, 0.0, 0.5), _t(1, 0, 1.5, 1.5)))
+    b = RankTrace(1, (_t(0, 0, 0.0, 0.5),))
+    with pytest.raises(ValueError, match="different"):
+        steady_state_exposed([a, b], {0: 0.0, 1: 1.0})
+
+
+def test_signals_first_set_wins_and_wait_times_out_cleanly():
+    s = Signals()
+    with pytest.raises(TimeoutError):
+        s.wait(("step", 0, 0, 1), timeout=0.01)
+    s.set(("step", 0, 0, 1), 3.0)
+    s.set(("step", 0, 0, 1), 4.0)
+    assert s.wait(("step", 0, 0, 1), timeout=0.01) == 3.0
+
+
+def test_padmax_pads_every_row_to_the_configured_maxima_and_keeps_the_data_under_the_mask():
+    batch = _batch()
+    mbs = batch.minibatches(2)
+    tokens = {t.traj_id: int(t.input_ids.shape[0]) for t in batch.trajectories}
+    plan = balance_plan(mbs, tokens, 2)
+    gathered = [[t.payload() for t in batch.trajectories]]
+    prompt_of = {t.traj_id: t.group_id for t in batch.trajectories}
+    longest = build_dense_batch(gathered, batch.prompts, prompt_of, 4, plan, CentralizedConfig(pad_to="longest"))
+    cfg = CentralizedConfig(pad_to="max", max_prompt_len=64, max_response_len=512)
+    padmax = build_dense_batch(gathered, batch.prompts, prompt_of, 4, plan, cfg)
+    rows = len(batch.trajectories)
+    assert padmax.tensors["input_ids"].shape == (rows, 64 + 512)
+    assert padmax.tensors["old_logprobs"].shape == (rows, 512)
+    # bytes: input_ids, attention_mask, position_ids int64 [B, Lp+Lr]; logprobs, advantages fp32 and loss mask
+    # bool [B, Lr]; traj ids int64
+    assert padmax.nbytes == rows * (64 + 512) * 8 * 3 + rows * 512 * (4 + 4 + 1) + rows * 8
+    assert longest.nbytes < padmax.nbytes
+    for name in ("old_logprobs", "advantages", "loss_mask"):
+        np.testing.assert_array_equal(padmax.tensors[name][:, :longest.tensors[name].shape[1]],
+                                      longest.tensors[name])
+    for dense in (longest, padmax):
+        mask = dense.tensors["attention_mask"].astype(bool)
+        assert [dense.tensors["input_ids"][i][mask[i]].tolist() for i in range(rows)] == \
+            [dict((t.traj_id, t) for t in batch.trajectories)[int(t)].input_ids.tolist() for t in dense.traj_ids]
+    with pytest.raises(ValueError, match="max_response_len"):
+        build_dense_batch(gathered, batch.prompts, prompt_of, 4, plan,
+                          CentralizedConfig(pad_to="max", max_prompt_len=64, max_response_len=8))
+    with pytest.raises(ValueError, match="pad_to"):
+        CentralizedConfig(pad_to="mean")
+
+
+def _tiny_cfg(**kw):
+    from repro.transfer import TextWorkload, TransferConfig
+
+    return TransferConfig(text=TextWorkload(num_prompts=4, group_size=4, prompt_len_mean=16, response_len_median=32,
+                                            response_len_sigma=1.0, max_response_len=128, max_prompt_len=64),
+                          num_minibatches=2, compute_s_per_minibatch=0.01, logger="none", **kw)
+
+
+def test_inprocess_multi_batch_pass_delivers_each_batch_once_in_equal_shares():
+    from repro.transfer import KnitTransInProc, text_workload
+
+    cfg = _tiny_cfg(num_batches=3, warmup_batches=1, lead_steps=1)
+    wl = text_workload(cfg)
+    datas = [wl.make_pass(10 + i) for i in range(cfg.num_batches)]
+    sysm = KnitTransInProc(cfg, wl.schema)
+    try:
+        res = sysm.run_steady(datas, iters_per_token=0.0)
+        ctrl = sysm.dp.controller
+        assert ctrl.stats().released_minibatches == cfg.num_batches * cfg.num_minibatches  # all consumed
+        assert ctrl.stats().claims == cfg.num_batches * cfg.num_minibatches * cfg.num_ranks  # once per rank
+        for d in datas:
+            for mb in d.minibatches:
+                shares = ctrl.admitted(MiniBatchKey(mb.batch_id, mb.index)).shares
+                assert sorted(t for s in shares for t in s) == sorted(mb.traj_ids)  # each id to one rank
+                assert {len(s) for s in shares} == {len(mb.traj_ids) // cfg.num_ranks}
+        assert all(u.stats().num_trajectories == 0 for u in sysm.dp.units.values())  # released at the units
+    finally:
+        sysm.close()
+    assert len(res.exposed) == cfg.num_batches - cfg.warmup_batches
+    assert all(len(row) == cfg.num_minibatches and min(row) >= 0.0 for row in res.exposed)
+    assert res.bytes_moved == datas[0].nbytes == make_text_batch(TextDataConfig(
+        num_prompts=4, group_size=4, prompt_len_mean=16, response_len_median=32, max_response_len=128)).nbytes
+
+
+def test_transfer_config_rejects_a_pass_without_measured_batches():
+    from repro.transfer import check_steady
+
+    with pytest.raises(ValueError, match="warmup_batches"):
+        check_steady(_tiny_cfg(num_batches=1, warmup_batches=1))
+    with pytest.raises(ValueError, match="lead_steps"):
+        check_steady(_tiny_cfg(lead_steps=3))
+    check_steady(_tiny_cfg())
+
+
+def test_scale_presets_compose_and_paper_is_dapo_sized():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from pathlib import Path
+
+    import repro.transfer  # noqa: F401 - registers the schema and the scale presets
+
+    conf = Path(__file__).resolve().parents[2] / "repro" / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        default = OmegaConf.to_object(compose(config_name="transfer"))
+        paper = OmegaConf.to_object(compose(config_name="transfer", overrides=["scale=paper"]))
+        mixed = OmegaConf.to_object(compose(config_name="transfer", overrides=["scale=paper", "num_ranks=4"]))
+    assert default.scale == "default" and paper.scale == "paper"
+    assert paper.text.num_prompts * paper.text.group_size == 8192 and paper.num_minibatches == 16
+    assert paper.text.max_response_len == 20480 and mixed.num_ranks == 4  # the command line wins over a preset
+    assert default.text.num_prompts * default.text.group_size == 1024
