@@ -17,9 +17,10 @@ export TRITON_INTERPRET ?= 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PYTHONUNBUFFERED := 1
 
-TABLES ?= staleness simcheck kernels transfer quality speedup
+# Tables run by `make repro`, in order: module[:override,override...] (Hydra overrides after the colon).
+TABLES ?= staleness simcheck kernels transfer:workload=text transfer:workload=multimodal speedup quality
 
-.PHONY: all setup test test-vllm gate repro bench clean
+.PHONY: all setup test test-vllm gate repro bench bench-save bench-gate clean
 
 all: test
 
@@ -51,11 +52,27 @@ gate: $(STAMP)
 	$(PY) -m repro.gate
 
 repro: $(STAMP)
-	@for t in $(TABLES); do echo "== repro.$$t"; $(PY) -m repro.$$t || exit 1; done
+	@for t in $(TABLES); do mod=$${t%%:*}; args=""; case "$$t" in *:*) args=$$(echo "$${t#*:}" | tr ',' ' ');; esac; \
+	  echo "== repro.$$mod $$args"; $(PY) -m repro.$$mod $$args || exit 1; done
 	$(PY) -m repro.report
 
+# Benchmarks (pytest-benchmark). bench-save records a baseline for this machine type under tests/bench/baselines
+# (pytest-benchmark keys baselines by machine: OS, Python implementation and version); bench-gate compares a
+# fresh run against the latest saved baseline and fails on a median more than BENCH_FAIL slower: generous,
+# because these machines are shared and noisy. Record your own baseline on your hardware with make bench-save.
+BENCH_STORE := file://tests/bench/baselines
+BENCH_SEL ?= -k "not (token_budget and 8192)"
+BENCH_FAIL ?= median:300%
 bench: $(STAMP)
 	$(PY) -m pytest -q tests/bench --benchmark-enable --benchmark-only
+
+bench-save: $(STAMP)
+	$(PY) -m pytest -q tests/bench --benchmark-enable --benchmark-only $(BENCH_SEL) \
+	  --benchmark-storage=$(BENCH_STORE) --benchmark-save=baseline
+
+bench-gate: $(STAMP)
+	$(PY) -m pytest -q tests/bench --benchmark-enable --benchmark-only $(BENCH_SEL) \
+	  --benchmark-storage=$(BENCH_STORE) --benchmark-compare --benchmark-compare-fail=$(BENCH_FAIL)
 
 clean:
 	rm -rf $(VENV) results outputs wandb .benchmarks .pytest_cache .hypothesis
