@@ -61,7 +61,7 @@ from knittrans.types import MiniBatch
 from repro.logger import publish
 from repro.results import Claim, Results
 from workloads.text_data import TEXT_SCHEMA, TextDataConfig, make_text_batch
-from knittrans.mmdedup.transfer_mm import MMTransferWorkload, run_multimodal_transfer  # issue 6 (mmdedup)
+from workloads.multimodal_data import MMTransferWorkload  # issue 6: the multimodal section at the end
 
 SYSTEMS = ("centralized", "centralized-padmax", "transferqueue", "knittrans-ray", "knittrans-ray-noprefetch",
            "knittrans-inproc")
@@ -97,11 +97,12 @@ class TransferConfig:
     """Configuration of ``python -m repro.transfer``."""
 
     workload: str = "text"
-    """Which workload: "text" (``text`` below). A multimodal workload is added as another value and section."""
+    """Which workload: "text" (``text`` below) or "multimodal" (``multimodal`` below; see ``run_multimodal``)."""
     text: TextWorkload = field(default_factory=TextWorkload)
     """Shape of the text workload."""
     multimodal: MMTransferWorkload = field(default_factory=MMTransferWorkload)
-    """Shape of the multimodal workload (issue 6; ``workload=multimodal`` runs knittrans.mmdedup.transfer_mm)."""
+    """Shape of the multimodal workload (``workload=multimodal``: images through the encoding store of the data
+    plane, ``knittrans.mmdedup.plane``, against ``baselines.centralized_mm``)."""
     systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
     """Systems to run (subset of centralized, transferqueue, knittrans-ray, knittrans-ray-noprefetch,
     knittrans-inproc); transferqueue is skipped with a note when not installed."""
@@ -149,6 +150,9 @@ ConfigStore.instance().store(group="scale", name="paper", package="_global_", no
     # DAPO (Qwen2.5-32B): 512 prompts x 16 responses, 32 prompts per mini-batch, prompts <= 2k, responses <= 20k
     "text": {"num_prompts": 512, "group_size": 16, "prompt_len_mean": 256, "response_len_median": 3300,
              "response_len_sigma": 0.8, "max_response_len": 20480, "max_prompt_len": 2048},
+    # multimodal (workload=multimodal): 448 x 448 images (1024 patches x 1176 fp32 = 4.8 MB each), 128 prompts x
+    # n=8 x 2 images: 9.9 GB of pixel_values per batch with repetition, 1.2 GB distinct
+    "multimodal": {"scale": "paper", "prompts": 128, "n": 8, "images_per_prompt": 2, "image_side": 448},
     "num_minibatches": 16,
     "num_ranks": 8,
     "num_units": 4,
@@ -725,12 +729,49 @@ def check_steady(cfg: TransferConfig) -> None:
         raise ValueError(f"lead_steps must be in [1, num_minibatches={cfg.num_minibatches}], got {cfg.lead_steps}")
 
 
-def run(cfg: TransferConfig) -> Results:
-    import torch
+def measure_systems(cfg: TransferConfig, wl: Workload, systems: Sequence[str], make: Callable[[str], object],
+                    iters_per_token: float | dict[str, float], memcpy: float, first_pass: int = 0,
+                    ) -> dict[str, SystemSummary]:
+    """Per system: ``repeats`` x (exposed steady-state pass over ``num_batches`` fresh batches, raw pass over one),
+    each batch with fresh trajectory ids. ``iters_per_token`` may differ per system (``repro.speedup`` charges
+    each system its own measured training step)."""
     from tqdm import tqdm
 
-    if cfg.workload == "multimodal":  # issue 6: dedup-aware multimodal handoff (knittrans/mmdedup/transfer_mm.py)
-        return run_multimodal_transfer(cfg)
+    summaries: dict[str, SystemSummary] = {}
+    bar = tqdm(total=len(systems) * 2 * cfg.repeats, desc=f"transfer-{cfg.workload}", disable=None)
+    pass_no = first_pass
+
+    def fresh(count: int) -> list[PassData]:
+        nonlocal pass_no
+        out = [wl.make_pass(pass_no + i) for i in range(count)]
+        pass_no += count
+        return out
+    try:
+        for name in systems:
+            sysm = make(name)
+            ipt = iters_per_token[name] if isinstance(iters_per_token, dict) else iters_per_token
+            exposed, raw = [], []
+            try:  # no separate warm-up: the first batch of an exposed pass runs every path once, unmeasured
+                for p in range(cfg.repeats):
+                    bar.set_postfix_str(f"{name} pass {p + 1} exposed ({cfg.num_batches} batches)")
+                    exposed.append(sysm.run_steady(fresh(cfg.num_batches), ipt))
+                    bar.update()
+                    bar.set_postfix_str(f"{name} pass {p + 1} raw")
+                    raw.append(sysm.run_raw(fresh(1)[0]))
+                    bar.update()
+            finally:
+                sysm.close()
+            summaries[name] = summarize(name, exposed, raw, memcpy)
+    finally:
+        bar.close()
+    return summaries
+
+
+def run(cfg: TransferConfig) -> Results:
+    import torch
+
+    if cfg.workload == "multimodal":  # issue 6: images deduplicated in the data plane (section at the end)
+        return run_multimodal(cfg)
     unknown = [s for s in cfg.systems if s not in SYSTEMS]
     if unknown:
         raise ValueError(f"unknown systems {unknown}; choose from {list(SYSTEMS)}")
@@ -755,32 +796,10 @@ def run(cfg: TransferConfig) -> Results:
     if ranks:
         ray.get([r.ready.remote() for r in ranks])
         warm_object_store(cfg, probe)
-    summaries: dict[str, SystemSummary] = {}
-    bar = tqdm(total=len(systems) * 2 * cfg.repeats, desc=f"transfer-{cfg.workload}", disable=None)
-    pass_no = 0
-
-    def fresh(count: int) -> list[PassData]:
-        nonlocal pass_no
-        out = [wl.make_pass(pass_no + i) for i in range(count)]
-        pass_no += count
-        return out
     try:
-        for name in systems:
-            sysm = make_system(name, cfg, wl.schema, ranks, signals)
-            exposed, raw = [], []
-            try:  # no separate warm-up: the first batch of an exposed pass runs every path once, unmeasured
-                for p in range(cfg.repeats):
-                    bar.set_postfix_str(f"{name} pass {p + 1} exposed ({cfg.num_batches} batches)")
-                    exposed.append(sysm.run_steady(fresh(cfg.num_batches), iters_per_token))
-                    bar.update()
-                    bar.set_postfix_str(f"{name} pass {p + 1} raw")
-                    raw.append(sysm.run_raw(fresh(1)[0]))
-                    bar.update()
-            finally:
-                sysm.close()
-            summaries[name] = summarize(name, exposed, raw, memcpy)
+        summaries = measure_systems(cfg, wl, systems, lambda name: make_system(name, cfg, wl.schema, ranks, signals),
+                                    iters_per_token, memcpy)
     finally:
-        bar.close()
         if need_ray:
             ray.shutdown()
     fill_results(results, cfg, summaries, memcpy, wl.description, iters_per_token, notes)
@@ -905,6 +924,324 @@ def plot(results: Results, s: dict[str, SystemSummary]) -> None:
     fig.tight_layout()
     fig.savefig(results.plot_path("exposed_latency.png"), dpi=120)
     plt.close(fig)
+
+
+# -- the multimodal workload (issue 6): images stored and moved once per distinct content ------------------------
+
+MM_SYSTEMS = ("centralized", "knittrans-ray", "knittrans-ray-noprefetch", "knittrans-inproc")
+"""Systems of ``workload=multimodal``: the verl path (``baselines.centralized_mm``, pad to the batch's longest) and
+KnitTrans's multimodal data plane (``knittrans.mmdedup.plane``) on both transports."""
+
+
+@dataclass(frozen=True)
+class MMPassData(PassData):
+    """A multimodal pass: ``payloads`` are ``MMPayload``s (fields + each sample's images, the group's tensors
+    shared); ``images[g]`` / ``grids[g]`` are group g's images (what the centralized driver holds per prompt)."""
+
+    images: dict[int, tuple[np.ndarray, ...]] = field(default_factory=dict)
+    grids: dict[int, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)
+
+    @property
+    def distinct_pixel_nbytes(self) -> int:
+        return sum(int(a.nbytes) for ims in self.images.values() for a in ims)
+
+    @property
+    def occurrence_pixel_nbytes(self) -> int:
+        return self.distinct_pixel_nbytes * self.group_size
+
+    @property
+    def nbytes(self) -> int:
+        """Fields plus each distinct image once (what KnitTrans moves per batch)."""
+        return sum(int(a.nbytes) for p in self.payloads for a in p.tensors.values()) + self.distinct_pixel_nbytes
+
+
+def mm_workload(cfg: TransferConfig, vlm=None) -> Workload:  # noqa: ANN001 - a workloads.vlm.TinyVLMConfig
+    """``num_batches`` distinct seeded batches (so consecutive batches of a pass show different images); pass p
+    uses batch ``p mod num_batches`` under fresh ids. Mini-batches are whole groups (P / M each)."""
+    from knittrans.mmdedup.plane import MM_SCHEMA, MMPayload
+    from workloads.multimodal import MultimodalWorkload
+    from workloads.multimodal_data import prompt_len, trajectory_fields, workload_config
+
+    w = cfg.multimodal
+    if w.prompts % cfg.num_minibatches:
+        raise ValueError(f"multimodal.prompts={w.prompts} must be a multiple of num_minibatches="
+                         f"{cfg.num_minibatches} (whole groups per mini-batch)")
+    gen = MultimodalWorkload(workload_config(w, cfg.seed, vlm))
+    pool = []
+    for b in range(max(1, cfg.num_batches)):
+        groups = gen.sample_batch(b)
+        pool.append([(g, [trajectory_fields(s, cfg.seed) for s in g.samples]) for g in groups])
+    P, n, per = w.prompts, w.n, w.prompts // cfg.num_minibatches
+
+    def make_pass(p: int) -> MMPassData:
+        groups = pool[p % len(pool)]
+        payloads, prompt_of, tokens, producer, ids_of = [], {}, {}, {}, {}
+        for gi, (g, fields) in enumerate(groups):
+            ids_of[gi] = []
+            for i, (s, f) in enumerate(zip(g.samples, fields)):
+                t = p * P * n + gi * n + i
+                payloads.append(MMPayload(t, f, group=p * P + gi,
+                                          encodings=tuple(g.images[j].pixel_values for j in s.image_index),
+                                          grids=tuple(g.images[j].grid_thw for j in s.image_index)))
+                prompt_of[t], tokens[t], producer[t] = gi, int(f["input_ids"].shape[0]), gi % cfg.num_units
+                ids_of[gi].append(t)
+        mbs = []
+        for k in range(cfg.num_minibatches):
+            gs = range(k * per, (k + 1) * per)
+            ids = tuple(t for gi in gs for t in ids_of[gi])
+            mbs.append(MiniBatch(p, k, ids, tuple(p * P + gi for gi in gs), sum(tokens[t] for t in ids)))
+        return MMPassData(
+            batch_id=p, payloads=tuple(payloads), minibatches=tuple(mbs),
+            prompts=tuple(g.samples[0].token_ids[:prompt_len(g.samples[0])].numpy() for g, _ in groups),
+            prompt_of=prompt_of, tokens=tokens, group_size=n, producer_of=producer,
+            images={gi: tuple(im.pixel_values.numpy() for im in g.images) for gi, (g, _) in enumerate(groups)},
+            grids={gi: tuple(im.grid_thw for im in g.images) for gi, (g, _) in enumerate(groups)})
+
+    probe = make_pass(0)
+    desc = (f"multimodal: {P} prompts x n={n} = {P * n} trajectories, {w.images_per_prompt} image(s) per prompt "
+            f"({w.image_side}px and 3/4 rectangles), {probe.distinct_pixel_nbytes / 1e6:.1f} MB of distinct "
+            f"pixel_values per batch ({probe.occurrence_pixel_nbytes / 1e6:.0f} MB with one copy per sample), "
+            f"{(probe.nbytes - probe.distinct_pixel_nbytes) / 1e6:.2f} MB of token fields")
+    return Workload(MM_SCHEMA, make_pass, desc)
+
+
+class KnitTransRayMM(KnitTransRay):
+    """KnitTrans-Ray with multimodal storage-unit actors (``knittrans.mmdedup.plane_ray``)."""
+
+    def __init__(self, cfg: TransferConfig, ranks: list, prefetch: bool, signals: "ray.actor.ActorHandle") -> None:
+        from knittrans.mmdedup.plane_ray import build_mm_ray
+
+        self.cfg, self.ranks, self.prefetch, self.signals = cfg, ranks, prefetch, signals
+        self.dp = build_mm_ray(unit_nodes(cfg), rank_nodes(cfg))
+        self.admitted = 0
+        self.live_bytes_at_close: int | None = None
+
+    def close(self) -> None:
+        try:
+            self.live_bytes_at_close = settled_live_bytes(self.dp)
+        finally:
+            self.dp.close()
+
+
+def settled_live_bytes(dp, within_s: float = 5.0) -> int:  # noqa: ANN001 - an MMRayDataPlane
+    """Encoding bytes the unit actors hold once the last releases have landed. A rank's ack and the controller's
+    drops are fire-and-forget messages with no completion event to wait on, so this re-reads the units' stores
+    (a few times, 50 ms apart) until they are empty or ``within_s`` has passed; a leak stays nonzero."""
+    deadline = time.perf_counter() + within_s
+    live = dp.live_bytes()
+    while live and time.perf_counter() < deadline:
+        time.sleep(0.05)
+        live = dp.live_bytes()
+    return live
+
+
+class KnitTransInProcMM(KnitTransInProc):
+    """KnitTrans in-process with multimodal units; checks after every pass that no encoding bytes are left."""
+
+    def __init__(self, cfg: TransferConfig) -> None:
+        from knittrans.mmdedup.plane import build_mm_inprocess
+
+        self.cfg = cfg
+        self.dp = build_mm_inprocess(unit_nodes(cfg), rank_nodes(cfg))
+        self.admitted = 0
+        self.live_bytes_at_close: int | None = None
+
+    def _run(self, datas, iters_per_token, prefetch, signals):  # noqa: ANN001, ANN202 - as KnitTransInProc._run
+        out = super()._run(datas, iters_per_token, prefetch, signals)
+        if self.dp.live_bytes():
+            raise RuntimeError(f"encoding stores hold {self.dp.live_bytes()} bytes after every share was consumed")
+        return out
+
+    def close(self) -> None:
+        self.live_bytes_at_close = self.dp.live_bytes()
+        super().close()
+
+
+class CentralizedMM(Centralized):
+    """The verl driver path with images (``baselines.centralized_mm``): pixel_values one copy per sample."""
+
+    @staticmethod
+    def stage(data: PassData) -> list:
+        """Rollout outputs (token fields only) sit in the object store; the images are the driver's, per prompt."""
+        by_producer: dict[int, list[TrajectoryPayload]] = {}
+        for p in data.payloads:
+            by_producer.setdefault(data.producer_of[p.traj_id], []).append(TrajectoryPayload(p.traj_id, p.tensors))
+        return [ray.put(ps) for _, ps in sorted(by_producer.items())]
+
+    def prepare(self, refs: list, data: PassData) -> Prepared:
+        from baselines.centralized_mm import build_mm_dense_batch
+
+        assert isinstance(data, MMPassData)
+        gathered = ray.get(refs)  # 1. gather on the driver
+        gather_bytes = sum(int(a.nbytes) for chunk in gathered for p in chunk for a in p.tensors.values())
+        plan = balance_plan(data.minibatches, data.tokens, self.cfg.num_ranks)  # 3. balance
+        batch = build_mm_dense_batch(gathered, data.prompts, data.prompt_of, data.group_size, plan, data.images,
+                                     data.grids, self.config)  # 2. concat, repeat (pixel_values too), pad
+        chunks = batch.chunk(self.cfg.num_ranks)  # 4. scatter (the chunks travel as call arguments)
+        return Prepared(chunks, plan.per_minibatch, gather_bytes + sum(c.nbytes for c in chunks))
+
+
+def make_mm_system(name: str, cfg: TransferConfig, ranks: list, signals):  # noqa: ANN001, ANN201
+    if name == "centralized":
+        return CentralizedMM(cfg, ranks, signals, pad_to="longest")
+    if name == "knittrans-inproc":
+        return KnitTransInProcMM(cfg)
+    if name in ("knittrans-ray", "knittrans-ray-noprefetch"):
+        return KnitTransRayMM(cfg, ranks, prefetch=(name == "knittrans-ray"), signals=signals)
+    raise ValueError(f"unknown multimodal system {name!r}; choose from {list(MM_SYSTEMS)}")
+
+
+@dataclass
+class MMSession:
+    """Ray, the rank actors and the signal board, started once and shared by every measurement (``repro.speedup``
+    measures six sweep points in one session)."""
+
+    cfg: TransferConfig
+    ranks: list = field(default_factory=list)
+    signals: "ray.actor.ActorHandle | None" = None
+
+    def __enter__(self) -> "MMSession":
+        _start_ray(self.cfg)
+        self.ranks = [RankActor.remote(r) for r in range(self.cfg.num_ranks)]
+        self.signals = SignalActor.remote()
+        ray.get([r.ready.remote() for r in self.ranks])
+        return self
+
+    def warm(self, probe: MMPassData) -> None:
+        """Write once through the object store pages the baseline will use (see ``warm_object_store``)."""
+        want = (self.cfg.num_batches + 2) * (probe.occurrence_pixel_nbytes + probe.nbytes)
+        n = int(min(want, 0.8 * ray.available_resources().get("object_store_memory", 0)))
+        if n > 0:
+            ref = ray.put(np.ones(n, dtype=np.uint8))
+            ray.get(ref)
+            del ref
+
+    def measure(self, wl: Workload, systems: Sequence[str], iters_per_token: float | dict[str, float],
+                memcpy: float) -> tuple[dict[str, SystemSummary], dict[str, int | None]]:
+        """Summaries per system, and the encoding bytes each KnitTrans system's units held at the end (0: no leak)."""
+        leaks: dict[str, int | None] = {}
+
+        def make(name: str):  # noqa: ANN202
+            sysm = make_mm_system(name, self.cfg, self.ranks, self.signals)
+            if hasattr(sysm, "live_bytes_at_close"):
+                made.append((name, sysm))
+            return sysm
+        made: list = []
+        out = measure_systems(self.cfg, wl, systems, make, iters_per_token, memcpy)
+        for name, sysm in made:
+            leaks[name] = sysm.live_bytes_at_close
+        return out, leaks
+
+    def __exit__(self, *exc) -> None:  # noqa: ANN002
+        ray.shutdown()
+
+
+def run_multimodal(cfg: TransferConfig) -> Results:
+    """The multimodal transfer table: the same steady-state and raw passes as text, the verl path against
+    KnitTrans's multimodal data plane. See docs/mmdedup.md."""
+    import torch
+
+    unknown = [s for s in cfg.systems if s not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown systems {unknown}; choose from {list(SYSTEMS)}")
+    systems = [s for s in cfg.systems if s in MM_SYSTEMS]
+    check_steady(cfg)
+    torch.set_num_threads(1)
+    wl = mm_workload(cfg)
+    probe = wl.make_pass(0)
+    memcpy = memcpy_gbps()
+    share_tokens = sum(probe.tokens.values()) / (cfg.num_minibatches * cfg.num_ranks)
+    iters_per_token = calibrate_iters_per_token(cfg.compute_s_per_minibatch, int(share_tokens))
+    with MMSession(cfg) as session:
+        session.warm(probe)
+        summaries, leaks = session.measure(wl, systems, iters_per_token, memcpy)
+    results = Results(table=f"transfer-{cfg.workload}", out_dir=cfg.out_dir)
+    fill_mm_results(results, cfg, summaries, leaks, probe, memcpy, wl.description, iters_per_token,
+                    skipped=[s for s in cfg.systems if s not in MM_SYSTEMS])
+    return results
+
+
+def fill_mm_results(results: Results, cfg: TransferConfig, s: dict[str, SystemSummary], leaks: dict[str, int | None],
+                    probe: MMPassData, memcpy: float, description: str, iters_per_token: float,
+                    skipped: Sequence[str] = ()) -> None:
+    m = cfg.num_minibatches
+    for x in s.values():
+        results.rows.append({"system": x.system, "raw_transfer_s": x.raw_transfer_s,
+                             "exposed_total_s": x.exposed_total_s, "exposed_per_mb_s": x.exposed_total_s / m,
+                             "exposed_mb0_s": x.exposed_per_mb[0], "exposed_rest_s": sum(x.exposed_per_mb[1:]),
+                             "get_latency_s": x.get_latency_s, "bytes_moved": x.bytes_moved, "gbps": x.gbps,
+                             "memcpy_fraction": x.memcpy_fraction, "measured_batches": x.measured_batches})
+    base, kt = s.get("centralized"), s.get(PRIMARY)
+
+    def ratio(a: float, b: float) -> float | None:
+        return a / b if b > 0 else None
+
+    steady = (f"steady state, median over {cfg.repeats} passes x {cfg.num_batches - cfg.warmup_batches} batches of "
+              f"the exposed latency summed over a batch's {m} mini-batches; central_overlap={cfg.central_overlap}")
+    if base and kt:
+        r = ratio(base.raw_transfer_s, kt.raw_transfer_s)
+        results.claims.append(Claim(
+            "mm_transfer_latency_ratio", paper=100.0, measured=r, unit="x", holds=r is not None and r >= 50.0,
+            note="raw transfer (t0 -> every rank holds every share; no compute, no prefetch, no overlap credit), "
+                 "centralized (verl) / knittrans-ray; target >= 50 (two orders of magnitude, 2x margin)"))
+        r = ratio(base.exposed_total_s, kt.exposed_total_s)
+        results.claims.append(Claim(
+            "mm_exposed_latency_ratio", paper=100.0, measured=r, unit="x", holds=r is not None and r >= 50.0,
+            note=f"exposed latency, centralized (build-ahead) / knittrans-ray (prefetch), {steady}; target >= 50"))
+        r = ratio(float(base.bytes_moved), float(kt.bytes_moved))
+        results.claims.append(Claim(
+            "mm_bytes_ratio", paper=None, measured=r, unit="x", holds=kt.bytes_moved < base.bytes_moved,
+            note="bytes moved per batch, centralized (gather + scatter, pixel_values once per sample) / knittrans-ray "
+                 "(fields + each distinct image once per rank share); target > 1"))
+    inproc = s.get("knittrans-inproc")
+    if base and inproc:
+        r = ratio(base.raw_transfer_s, inproc.raw_transfer_s)
+        results.claims.append(Claim("mm_transfer_latency_ratio_inproc", paper=100.0, measured=r, unit="x",
+                                    holds=r is not None and r >= 50.0,
+                                    note="raw transfer, centralized / knittrans-inproc (embedded transport)"))
+        r = ratio(base.exposed_total_s, inproc.exposed_total_s)
+        results.claims.append(Claim("mm_exposed_latency_ratio_inproc", paper=100.0, measured=r, unit="x",
+                                    holds=r is not None and r >= 50.0,
+                                    note=f"exposed, centralized / knittrans-inproc, {steady}"))
+    for name, live in leaks.items():
+        results.claims.append(Claim(f"mm_store_live_bytes_after_{name.replace('-', '_')}", paper=None,
+                                    measured=None if live is None else float(live), unit="B", holds=live == 0,
+                                    note="encoding bytes the units still hold after every pass was consumed; "
+                                         "holds iff 0 (refcounts back to zero, nothing leaked)"))
+    for x in s.values():
+        results.claims.append(Claim(f"bytes_moved_{x.system}", paper=None, measured=float(x.bytes_moved), unit="B",
+                                    holds=True, note="payload bytes per batch (reported, no target)"))
+        results.claims.append(Claim(f"gbps_{x.system}", paper=None, measured=x.gbps, unit="GB/s", holds=True,
+                                    note=f"bytes moved / raw transfer time; memcpy here {memcpy:.1f} GB/s"))
+    plot(results, s)
+    results.extra.update(memcpy_gbps=memcpy, iters_per_token=iters_per_token, scale=cfg.scale,
+                         distinct_pixel_bytes=probe.distinct_pixel_nbytes,
+                         occurrence_pixel_bytes=probe.occurrence_pixel_nbytes)
+    results.text = "\n\n".join([
+        f"Workload (scale={cfg.scale}): {description}. M={m} mini-batches of whole groups, {cfg.num_ranks} ranks, "
+        f"{cfg.num_units} storage units (rank r and the producers of group g % {cfg.num_units} on node r / g "
+        f"mod {cfg.num_units}).",
+        "centralized = verl's DataProto path (baselines/centralized_mm.py): the driver gathers the rollout outputs, "
+        "repeats each prompt's pixel_values for its n samples, concatenates them in the balanced row order, pads "
+        "the tokens to the batch's longest, chunks per rank and scatters through the Ray object store; ranks "
+        "split their chunk into mini-batches. knittrans-* = the data plane with multimodal storage units "
+        "(knittrans/mmdedup/plane.py): images in each unit's refcounted encoding store once per distinct content, "
+        "group-whole shares, each rank fetching its share's fields plus each distinct image once, straight from "
+        "the unit actors (Ray) or by reference (in-process), with the prefetcher; refcounts return to zero as "
+        "shares are consumed (mm_store_live_bytes_after_*).",
+        f"Measurement: as the text table (steady state over {cfg.num_batches} batches, batch b+1 completing during "
+        f"step {m - cfg.lead_steps} of batch b, first {cfg.warmup_batches} excluded; raw = one batch, t0 -> every "
+        f"rank holds every share, no compute, no prefetch); {cfg.repeats} (exposed, raw) pass pairs per system; "
+        f"emulated compute {iters_per_token:.4g} matmuls per token (~{cfg.compute_s_per_minibatch} s per "
+        f"mini-batch share), identical for every system. CPUs: {os.cpu_count()}; memcpy {memcpy:.1f} GB/s.",
+        "Why the raw ratio is not ~100x here: on one machine every hop is a memcpy through shared memory at the "
+        "same few GB/s for both systems, so the ratio is roughly bytes moved (about n x the distinct pixels, twice "
+        "through the driver for the baseline) plus the driver's serial build. The paper's two orders of magnitude "
+        "need what this machine cannot model: the driver's NIC as the one link every byte crosses (e.g. 8 ranks "
+        "x 25 GB/s of local reads vs one 12.5-25 GB/s NIC, which alone is another ~R x) and the driver's "
+        "single-threaded Python build at paper scale.",
+        *([f"Not run for the multimodal workload: {', '.join(skipped)} (transferqueue moves per-trajectory fields "
+           f"with no dedup; padmax is the text table's variant)."] if skipped else [])])
 
 
 @hydra.main(config_path="conf", config_name="transfer", version_base=None)

@@ -108,6 +108,8 @@ class TinyVLMConfig:
     """Vision transformer width."""
     vision_heads: int = 2
     """Vision attention heads."""
+    vision_mlp_ratio: int = 2
+    """Vision MLP width / vision width (Qwen2-VL: 4)."""
     patch_size: int = 14
     """Spatial patch size in pixels (Qwen2-VL: 14)."""
     temporal_patch_size: int = 2
@@ -119,7 +121,7 @@ class TinyVLMConfig:
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size", "vision_depth",
-                     "vision_embed_dim", "vision_heads", "patch_size", "temporal_patch_size", "spatial_merge_size",
+                     "vision_embed_dim", "vision_heads", "vision_mlp_ratio", "patch_size", "temporal_patch_size", "spatial_merge_size",
                      "max_positions"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -144,6 +146,42 @@ class TinyVLMConfig:
         return self.patch_size * self.spatial_merge_size
 
 
+QWEN2_VL_7B_BALANCE = TinyVLMConfig(hidden_size=256, num_layers=4, num_heads=8, intermediate_size=1344,
+                                    vision_depth=3, vision_embed_dim=96, vision_heads=2, vision_mlp_ratio=4)
+"""The tiny policy with Qwen2-VL-7B's vision / language cost balance (what ``repro.speedup`` trains).
+
+Compute per token is ~2 x the weights a token passes through (forward; backward 2x that), so the balance is the
+ratio of vision weights per *patch* to language weights per *token* (attention's quadratic terms are small at
+these lengths and ignored):
+
+- Qwen2-VL-7B: ViT 32 blocks x (4 + 8) x 1280^2 = 629M, patch embedding 1176 x 1280 = 1.5M, merger
+  (5120^2 + 5120 x 3584 = 44.6M, once per 4 patches: 11.1M per patch) -> 642M per patch. LM 28 layers x
+  (2 x 3584^2 + 2 x 3584 x 512 (GQA k, v) + 3 x 3584 x 18944) = 6.53B, plus the 3584 x 152064 head (0.55B) ->
+  7.08B per token. Ratio 0.091 per patch; with 4 patches per image token (2 x 2 merge), one image costs its
+  vision tower 0.36x what its image tokens cost the LM (a 448 x 448 image: 1024 patches -> 1.3 TFLOP in the ViT
+  vs 3.6 TFLOP for its 256 tokens in the LM, forward).
+- This config: ViT 3 blocks x 12 x 96^2 = 332K, patch embedding 1176 x 96 = 113K, merger (384^2 + 384 x 256) / 4
+  = 61K -> 506K per patch. LM 4 layers x (4 x 256^2 + 3 x 256 x 1344) = 5.19M per token (the 50-token
+  vocabulary's head is negligible; the 7B's head is in its count above, so the tiny LM is 8% light, which
+  favours dedup slightly). Ratio 0.097 per patch (0.39x per image token vs 0.36x).
+- Depth/width shapes follow the 7B's: LM MLP ratio 1344 / 256 = 5.25 (7B: 5.29), head dim 32; ViT MLP ratio 4,
+  ViT width / LM width 0.375 (7B: 0.357).
+
+``vision_lm_flop_ratio`` computes the per-patch / per-token ratio for any config.
+"""
+
+
+def vision_lm_flop_ratio(cfg: TinyVLMConfig) -> float:
+    """Vision weights per patch / language weights per token (the forward-FLOP ratio; see
+    ``QWEN2_VL_7B_BALANCE``). Linear layers only; embeddings of the tiny vocabulary ignored."""
+    d, m = cfg.vision_embed_dim, cfg.spatial_merge_size ** 2
+    vit = cfg.vision_depth * (4 + 2 * cfg.vision_mlp_ratio) * d * d + cfg.patch_dim * d
+    merger = ((m * d) ** 2 + m * d * cfg.hidden_size) / m
+    h = cfg.hidden_size
+    lm = cfg.num_layers * (4 * h * h + 3 * h * cfg.intermediate_size)
+    return (vit + merger) / lm
+
+
 def build_tiny_vlm(cfg: TinyVLMConfig, vocab: VLMVocab, seed: int = 0, dtype: torch.dtype = torch.float32):
     """A randomly initialised Qwen2-VL / Qwen2.5-VL for conditional generation, sized for ``vocab``."""
     text = dict(vocab_size=len(vocab), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -160,13 +198,13 @@ def build_tiny_vlm(cfg: TinyVLMConfig, vocab: VLMVocab, seed: int = 0, dtype: to
     if cfg.arch == "qwen2_vl":
         from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-        vision.update(embed_dim=cfg.vision_embed_dim, hidden_size=cfg.hidden_size, mlp_ratio=2)
+        vision.update(embed_dim=cfg.vision_embed_dim, hidden_size=cfg.hidden_size, mlp_ratio=cfg.vision_mlp_ratio)
         model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=text, vision_config=vision, **ids))
     else:
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
         vision.update(hidden_size=cfg.vision_embed_dim, out_hidden_size=cfg.hidden_size,
-                      intermediate_size=2 * cfg.vision_embed_dim, window_size=cfg.factor * 4,
+                      intermediate_size=cfg.vision_mlp_ratio * cfg.vision_embed_dim, window_size=cfg.factor * 4,
                       fullatt_block_indexes=[cfg.vision_depth - 1])
         model = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids))
     model = model.to(dtype)

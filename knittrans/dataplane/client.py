@@ -32,20 +32,27 @@ import numpy as np
 
 from knittrans.dataplane.types import (AdmittedMiniBatch, DataPlaneError, MiniBatchKey, PackedField,
                                        PackedShare, PutRecord, SchemaMismatchError, ShareLocation,
-                                       TrajectoryPayload, TrajectorySchema, UnitChunk)
+                                       TrajectoryPayload, TrajectorySchema, UnitChunk, UnitLostError)
 from knittrans.types import MiniBatch
 
 
 class ControllerAPI(Protocol):
     """What a client needs from a controller; ``Controller`` and the Ray proxy implement it."""
 
-    def register(self, records: Sequence[PutRecord]) -> None: ...
+    def register(self, records: Sequence[PutRecord]) -> tuple[int, ...] | None: ...
     def admit(self, mb: MiniBatch) -> AdmittedMiniBatch: ...
     def next_admitted(self, seq: int, timeout: float | None = None) -> AdmittedMiniBatch: ...
     def claim(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> ShareLocation: ...
     def claim_next(self, seq: int, rank: int, fields: Sequence[str],
                    timeout: float | None = None) -> ShareLocation: ...
     def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> tuple[tuple[str, tuple[int, ...]], ...]: ...
+    # faults and recovery (knittrans.dataplane.faults, docs/reliability.md)
+    def lose_unit(self, unit_id: str) -> tuple[int, ...]: ...
+    def missing(self) -> tuple[int, ...]: ...
+    def unreleased(self, traj_ids: Sequence[int]) -> tuple[int, ...]: ...
+    def unclaim(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> None: ...
+    def recover_rank(self, rank: int) -> int: ...
+    def wait_released(self, count: int, timeout: float | None = None) -> int: ...
 
 
 class UnitAPI(Protocol):
@@ -139,6 +146,9 @@ class DataPlaneClient:
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     getter: UnitGetter | None = None  # None: read units one after another (fine in-process)
     last_timing: FetchTiming | None = None
+    checksums: bool = False
+    """Attach a CRC-32 per field to every put and verify every fetched field against it (``faults``): a corrupted
+    message raises ``CorruptPayloadError`` instead of reaching training. Costs one pass over the bytes per side."""
 
     # -- rollout side ----------------------------------------------------------------------------------------
 
@@ -150,15 +160,25 @@ class DataPlaneClient:
             raise DataPlaneError(f"put needs a storage unit: got {unit_id!r}, known units {sorted(self.units)}")
         if not payloads:
             return
-        records = self.units[unit_id].put(payloads)
+        if self.checksums:
+            from knittrans.dataplane.faults import with_checksums
+
+            payloads = with_checksums(payloads)
         try:
-            self.controller.register(records)
+            records = self.units[unit_id].put(payloads)
+        except UnitLostError:
+            self.controller.lose_unit(unit_id)  # whoever sees a unit die reports it (idempotent)
+            raise
+        try:
+            skipped = self.controller.register(records)
         except DataPlaneError:
             # The unit accepted fields the controller refuses (e.g. the trajectory lives on another unit):
             # take back exactly what this call added, so nothing stale stays behind.
             for r in records:
                 self.units[unit_id].drop([r.traj_id], [f.name for f in r.fields])
             raise
+        if skipped:  # re-puts of lost trajectories that were consumed meanwhile: not needed
+            self.units[unit_id].drop(skipped)
 
     # -- admission -------------------------------------------------------------------------------------------
 
@@ -167,30 +187,60 @@ class DataPlaneClient:
 
     # -- trainer side ----------------------------------------------------------------------------------------
 
-    def fetch(self, minibatch: MiniBatch | MiniBatchKey, rank: int, fields: Sequence[str] | None = None) -> PackedShare:
+    def fetch(self, minibatch: MiniBatch | MiniBatchKey, rank: int, fields: Sequence[str] | None = None,
+              ack: bool = True) -> PackedShare:
         """Rank ``rank``'s share of an admitted mini-batch, read directly from the units that hold it, packed.
-        ``fields`` defaults to every schema field. Raises ``UnknownMiniBatchError``, ``FieldNotProducedError``
-        or ``AlreadyConsumedError`` (``knittrans.dataplane.types``) before any byte moves."""
+        ``fields`` defaults to every schema field. Raises ``UnknownMiniBatchError``, ``FieldNotProducedError``,
+        ``AlreadyConsumedError`` or ``DataLostError`` (``knittrans.dataplane.types``) before any byte moves;
+        ``CorruptPayloadError`` or ``UnitLostError`` if the read fails, with the claim undone. ``ack=False``
+        leaves the share claimed until ``ack(share)`` (after the optimizer step: a crashed rank gets it again)."""
         key = minibatch if isinstance(minibatch, MiniBatchKey) else MiniBatchKey(minibatch.batch_id, minibatch.index)
         names = tuple(fields) if fields is not None else self.schema.names
         if not isinstance(rank, int) or isinstance(rank, bool):
             raise SchemaMismatchError(f"rank must be an int, got {rank!r}")
         t0 = time.perf_counter()
         loc = self.controller.claim(key, rank, names)
-        return self._deliver(loc, t0)
+        return self._deliver(loc, t0, ack)
 
     def fetch_next(self, seq: int, rank: int, fields: Sequence[str] | None = None,
-                   timeout: float | None = None) -> PackedShare:
+                   timeout: float | None = None, ack: bool = True) -> PackedShare:
         """Rank ``rank``'s share of the ``seq``-th admitted mini-batch, waiting (up to ``timeout``) for its
         admission; ``TimeoutError`` (nothing claimed) if it is not admitted in time. What the prefetcher runs."""
         names = tuple(fields) if fields is not None else self.schema.names
         t0 = time.perf_counter()
         loc = self.controller.claim_next(seq, rank, names, timeout)
-        return self._deliver(loc, t0)
+        return self._deliver(loc, t0, ack)
 
-    def _deliver(self, loc: ShareLocation, t0: float) -> PackedShare:
-        """Read a claimed share from its units, pack it, ack it (after which fully consumed trajectories are
-        dropped at their units)."""
+    def ack(self, share: PackedShare) -> None:
+        """Acknowledge a share fetched with ``ack=False`` (the rank has stepped on it); fully consumed
+        trajectories are then dropped at their units."""
+        for unit_id, ts in self.controller.ack(share.key, share.rank, tuple(share.fields)):
+            self.units[unit_id].drop(ts)
+
+    def _pack(self, loc: ShareLocation, chunks: Sequence[UnitChunk]) -> PackedShare:
+        """Turn the units' chunks into the rank's share (``knittrans.mmdedup.plane.MMClient`` adds images)."""
+        return pack_share(loc, chunks, self.schema, self.prepare)
+
+    def _deliver(self, loc: ShareLocation, t0: float, ack: bool = True) -> PackedShare:
+        """Read a claimed share from its units, verify and pack it, ack it (after which fully consumed
+        trajectories are dropped at their units). A failed read or check undoes the claim before re-raising."""
+        try:
+            chunks, t1, t2 = self._read(loc)
+        except DataPlaneError as e:
+            if isinstance(e, UnitLostError):
+                self.controller.lose_unit(e.unit_id)  # whoever sees a unit die reports it (idempotent)
+            self.controller.unclaim(loc.key, loc.rank, loc.fields)
+            raise
+        share = self._pack(loc, chunks)
+        t3 = time.perf_counter()
+        self.last_timing = FetchTiming(t1 - t0, t2 - t1, t3 - t2)
+        if ack:
+            for unit_id, ts in self.controller.ack(loc.key, loc.rank, loc.fields):
+                self.units[unit_id].drop(ts)
+        return share
+
+    def _read(self, loc: ShareLocation) -> tuple[list[UnitChunk], float, float]:
+        """The share's chunks from its units (all requested at once), checked against the claim's checksums."""
         t1 = time.perf_counter()
         requests: dict[str, list[int]] = {}
         for t, u in zip(loc.traj_ids, loc.unit_ids):
@@ -200,10 +250,9 @@ class DataPlaneClient:
             chunks = self.getter(reqs, loc.fields)
         else:
             chunks = [self.units[u].get(ts, loc.fields) for u, ts in reqs]
+        if loc.checksums:
+            from knittrans.dataplane.faults import verify_chunks
+
+            verify_chunks(loc, chunks, {n: self.schema.get(n).ragged for n in loc.fields})
         t2 = time.perf_counter()
-        share = pack_share(loc, chunks, self.schema, self.prepare)
-        t3 = time.perf_counter()
-        self.last_timing = FetchTiming(t1 - t0, t2 - t1, t3 - t2)
-        for unit_id, ts in self.controller.ack(loc.key, loc.rank, loc.fields):
-            self.units[unit_id].drop(ts)
-        return share
+        return list(chunks), t1, t2

@@ -10,6 +10,13 @@ units may drop them. All state lives under one lock; ``next_admitted`` waits on 
 polling), which is how a prefetcher learns of the next mini-batch the moment it is admitted, and never before.
 
 Every method validates its whole request before it changes anything.
+
+Faults (``knittrans.dataplane.faults``, docs/reliability.md): ``lose_unit`` marks every trajectory the unit held
+that is still needed as *missing* (its metadata -- token count, admission -- is kept; its fields are gone); a claim
+touching a missing trajectory raises ``DataLostError`` (``claim_next`` waits for the re-put instead), so a share
+is never handed out partially. A re-put (to any live unit) restores it. ``unclaim`` returns a claimed, unacked
+(rank, field) to the pool (a read that failed), and ``recover_rank`` does so for everything a crashed rank held
+(at-least-once delivery; the trainer's ``StepLedger`` makes the step exactly once).
 """
 
 from __future__ import annotations
@@ -20,9 +27,9 @@ from typing import Mapping, Sequence
 
 from knittrans.dataplane.assign import ShareItem, assign_shares
 from knittrans.dataplane.types import (AdmissionStateError, AdmittedMiniBatch, AlreadyConsumedError,
-                                       DataPlaneClosedError, DuplicatePutError, FieldNotProducedError,
-                                       MiniBatchKey, PutRecord, ShareLocation, TrajectorySchema,
-                                       UnknownMiniBatchError)
+                                       DataLostError, DataPlaneClosedError, DuplicatePutError,
+                                       FieldNotProducedError, MiniBatchKey, PutRecord, ShareLocation,
+                                       TrajectorySchema, UnknownMiniBatchError)
 from knittrans.types import MiniBatch
 
 
@@ -44,10 +51,11 @@ class ControllerConfig:
 
 @dataclass
 class _TrajState:
-    unit_id: str
+    unit_id: str | None  # None: missing (its unit was lost; waiting for a re-put)
     fields: dict[str, int] = field(default_factory=dict)  # produced field -> nbytes
     num_tokens: int | None = None
     admitted_in: MiniBatchKey | None = None
+    checksums: dict[str, int] = field(default_factory=dict)  # produced field -> producer's checksum
 
 
 @dataclass
@@ -66,6 +74,8 @@ class ControllerStats:
     admitted: int
     claims: int
     released_minibatches: int
+    missing: int = 0  # trajectories lost with a unit and not re-put yet
+    units_lost: int = 0
 
 
 class Controller:
@@ -82,6 +92,8 @@ class Controller:
         self._log: list[MiniBatchKey] = []
         self._claims = 0
         self._released = 0
+        self._missing: set[int] = set()
+        self._units_lost = 0
         self._closed = False
         self._cv = threading.Condition()
 
@@ -91,15 +103,26 @@ class Controller:
 
     # -- production ------------------------------------------------------------------------------------------
 
-    def register(self, records: Sequence[PutRecord]) -> None:
+    def register(self, records: Sequence[PutRecord]) -> tuple[int, ...]:
         """Record that units hold these fields. All-or-nothing: a duplicate field, or a trajectory whose fields
-        would span two units, rejects the whole call."""
+        would span two units, rejects the whole call. A re-put of a missing trajectory (its unit was lost)
+        restores it on the new unit. Returns the ids it did not need: re-puts of trajectories that were
+        consumed in the meantime (the caller drops them from the unit)."""
         with self._cv:
             seen: set[tuple[int, str]] = set()
+            skip = {r.traj_id for r in records if r.traj_id in self._trajs and self._consumed_since_loss(r.traj_id)}
             for r in records:
                 if r.unit_id not in self.unit_nodes:
                     raise AdmissionStateError(f"put of trajectory {r.traj_id} to unknown unit {r.unit_id!r}")
+                if r.traj_id in skip:
+                    continue
                 st = self._trajs.get(r.traj_id)
+                if st is not None and st.unit_id is None:  # missing: a re-put, to any unit
+                    if r.num_tokens is not None and st.num_tokens is not None and r.num_tokens != st.num_tokens:
+                        raise DuplicatePutError(f"re-put of lost trajectory {r.traj_id} has {r.num_tokens} tokens; "
+                                                f"the original had {st.num_tokens} (a re-put must be the same "
+                                                f"trajectory)")
+                    continue
                 if st is not None and st.unit_id != r.unit_id:
                     raise DuplicatePutError(f"trajectory {r.traj_id} lives on unit {st.unit_id!r}; a put to unit "
                                             f"{r.unit_id!r} would split it across units")
@@ -114,10 +137,21 @@ class Controller:
                                                 f"produced (each field is produced exactly once)")
                     seen.add((r.traj_id, fm.name))
             for r in records:
+                if r.traj_id in skip:
+                    continue
                 st = self._trajs.setdefault(r.traj_id, _TrajState(unit_id=r.unit_id))
+                if st.unit_id is None:  # restored: it now holds exactly what the re-put carried
+                    st.unit_id = r.unit_id
+                    st.fields.clear()
+                    st.checksums.clear()
+                    self._missing.discard(r.traj_id)
                 st.fields.update({fm.name: fm.nbytes for fm in r.fields})
+                st.checksums.update({fm.name: fm.checksum for fm in r.fields if fm.checksum is not None})
                 if r.num_tokens is not None:
                     st.num_tokens = r.num_tokens
+            if records:
+                self._cv.notify_all()  # a re-put may complete a share that claim_next waits for
+            return tuple(sorted(skip))
 
     # -- admission -------------------------------------------------------------------------------------------
 
@@ -139,12 +173,11 @@ class Controller:
                                               f"{self.schema.token_field!r} is unknown)")
                 if st.admitted_in is not None:
                     raise AdmissionStateError(f"mini-batch {key}: trajectory {t} is already in {st.admitted_in}")
-                items.append(ShareItem(t, st.num_tokens, self.unit_nodes[st.unit_id]))
-            shares = assign_shares(items, self.config.rank_nodes, self.config.balance_slack,
-                                   self.config.equal_counts)
+                items.append(ShareItem(t, st.num_tokens, self.unit_nodes.get(st.unit_id or "", "")))  # missing: no node
+            shares = self._assign(items, mb)
             tokens = tuple(sum(self._trajs[t].num_tokens or 0 for t in s) for s in shares)
             local = sum(1 for r, s in enumerate(shares) for t in s
-                        if self.unit_nodes[self._trajs[t].unit_id] == self.config.rank_nodes[r])
+                        if self.unit_nodes.get(self._trajs[t].unit_id or "") == self.config.rank_nodes[r])
             adm = AdmittedMiniBatch(key=key, seq=len(self._log), traj_ids=tuple(mb.traj_ids), shares=shares,
                                     share_tokens=tokens, local_fraction=local / max(1, len(items)))
             for t in mb.traj_ids:
@@ -153,6 +186,11 @@ class Controller:
             self._log.append(key)
             self._cv.notify_all()
             return adm
+
+    def _assign(self, items: Sequence[ShareItem], mb: MiniBatch) -> tuple[tuple[int, ...], ...]:
+        """Split an admitted mini-batch into per-rank shares (lock held). A subclass may refine it, e.g.
+        ``knittrans.mmdedup.plane.MMController`` keeps GRPO groups whole."""
+        return assign_shares(items, self.config.rank_nodes, self.config.balance_slack, self.config.equal_counts)
 
     def next_admitted(self, seq: int, timeout: float | None = None) -> AdmittedMiniBatch:
         """The ``seq``-th admitted mini-batch, waiting until it is admitted. Raises ``TimeoutError`` after
@@ -191,6 +229,10 @@ class Controller:
             for name in fields:
                 self.schema.get(name)  # raises FieldNotProducedError for a field outside the schema
             traj_ids = st.admitted.shares[rank]
+            lost = [t for t in traj_ids if self._trajs[t].unit_id is None]
+            if lost:
+                raise DataLostError(f"fetch of {key} rank {rank}: trajectories {lost[:8]} were on a lost unit and "
+                                    f"are not re-put yet; nothing was claimed (a share is never handed out partially)")
             nbytes = 0
             for t in traj_ids:
                 produced = self._trajs[t].fields
@@ -205,15 +247,25 @@ class Controller:
                                            f"delivery)")
             st.claimed.update((rank, name) for name in fields)
             self._claims += 1
+            sums: tuple[tuple[int | None, ...], ...] = ()
+            if any(self._trajs[t].checksums for t in traj_ids):
+                sums = tuple(tuple(self._trajs[t].checksums.get(name) for t in traj_ids) for name in fields)
             return ShareLocation(key=key, rank=rank, traj_ids=traj_ids,
-                                 unit_ids=tuple(self._trajs[t].unit_id for t in traj_ids), fields=tuple(fields),
-                                 nbytes=nbytes)
+                                 unit_ids=tuple(self._trajs[t].unit_id or "" for t in traj_ids),
+                                 fields=tuple(fields), nbytes=nbytes, checksums=sums)
 
     def claim_next(self, seq: int, rank: int, fields: Sequence[str], timeout: float | None = None) -> ShareLocation:
         """Wait for the ``seq``-th admitted mini-batch, then claim rank ``rank``'s share of it (one round trip
         for a prefetcher on a remote controller). ``TimeoutError`` if it is not admitted in time; nothing is
         claimed then."""
         adm = self.next_admitted(seq, timeout)
+        if self._missing:  # wait for the re-put of a share's lost trajectories (never hand out part of it)
+            share = adm.shares[rank] if 0 <= rank < self.num_ranks else ()
+            with self._cv:
+                ok = self._cv.wait_for(lambda: self._closed or not self._missing.intersection(share), timeout)
+                if not ok:
+                    raise TimeoutError(f"mini-batch #{seq} rank {rank}: lost trajectories not re-put within "
+                                       f"{timeout} s")
         return self.claim(adm.key, rank, fields)
 
     def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -229,16 +281,119 @@ class Controller:
             st.acked.update((rank, n) for n in fields)
             if st.released:
                 return ()
+            if self._missing:
+                for t in st.admitted.shares[rank]:
+                    if t in self._missing and all((rank, n) in st.acked for n in self._trajs[t].fields):
+                        self._missing.discard(t)  # read before its unit died: consumed, nothing to re-put
+                if self._missing.intersection(st.admitted.traj_ids):
+                    return ()  # a rank still needs a re-put: not every rank can have consumed it
             for r, share in enumerate(st.admitted.shares):
                 produced = set.intersection(*(set(self._trajs[t].fields) for t in share)) if share else set()
                 if any((r, n) not in st.acked for n in produced):
                     return ()
             st.released = True
             self._released += 1
+            self._missing.difference_update(st.admitted.traj_ids)
+            self._cv.notify_all()
             by_unit: dict[str, list[int]] = {}
             for t in st.admitted.traj_ids:
-                by_unit.setdefault(self._trajs[t].unit_id, []).append(t)
+                u = self._trajs[t].unit_id
+                if u is not None:  # None: consumed after its unit was lost; nothing left to drop
+                    by_unit.setdefault(u, []).append(t)
             return tuple((u, tuple(ts)) for u, ts in sorted(by_unit.items()))
+
+    # -- faults and recovery (docs/reliability.md) -----------------------------------------------------------
+
+    def _consumed_since_loss(self, t: int) -> bool:
+        """A trajectory that went missing but whose mini-batch has been fully consumed since (its rank had read
+        it before the unit died): a re-put of it is not needed."""
+        return self._trajs[t].unit_id is None and t not in self._missing
+
+    def lose_unit(self, unit_id: str) -> tuple[int, ...]:
+        """Unit ``unit_id`` is gone with everything it held. Every trajectory on it that is not yet released
+        becomes missing (metadata kept, fields forgotten) until a producer re-puts it; returns their ids.
+        Idempotent (a second report of the same loss finds nothing more)."""
+        with self._cv:
+            if unit_id not in self.unit_nodes:
+                raise AdmissionStateError(f"lose_unit: unknown unit {unit_id!r}")
+            lost = []
+            done: dict[MiniBatchKey, set[int]] = {}  # per admitted mini-batch: trajectories their rank consumed
+            for t, st in self._trajs.items():
+                if st.unit_id != unit_id:
+                    continue
+                if st.admitted_in is not None:
+                    mb = self._mbs[st.admitted_in]
+                    if mb.released:
+                        continue  # consumed and dropped already: nothing lost
+                    if st.admitted_in not in done:
+                        done[st.admitted_in] = {x for r, share in enumerate(mb.admitted.shares)
+                                                if all((r, n) in mb.acked for n in self._produced(mb, r))
+                                                for x in share}
+                    if t in done[st.admitted_in]:
+                        continue  # its rank holds it already
+                st.unit_id = None  # fields stay recorded (what was produced) until the re-put replaces them
+                lost.append(t)
+            if lost:
+                self._units_lost += 1
+            self._missing.update(lost)
+            self._cv.notify_all()
+            return tuple(lost)
+
+    def missing(self) -> tuple[int, ...]:
+        """Trajectories lost with a unit and not re-put yet (what producers must re-put)."""
+        with self._cv:
+            return tuple(sorted(self._missing))
+
+    def unreleased(self, traj_ids: Sequence[int]) -> tuple[int, ...]:
+        """Those of ``traj_ids`` still needed (not yet consumed by every rank and released): what a producer
+        that keeps trajectories until they are acknowledged must still keep."""
+        with self._cv:
+            out = []
+            for t in traj_ids:
+                st = self._trajs.get(t)
+                if st is None or st.admitted_in is None or not self._mbs[st.admitted_in].released:
+                    out.append(t)
+            return tuple(out)
+
+    def unclaim(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> None:
+        """Undo a claim whose delivery failed (unit lost, payload corrupt): the (rank, field)s that were claimed
+        and not acked may be claimed again. Acked ones stay consumed."""
+        with self._cv:
+            st = self._mbs.get(key)
+            if st is None:
+                raise UnknownMiniBatchError(f"unclaim of mini-batch {key}, which was never admitted")
+            st.claimed.difference_update((rank, n) for n in fields if (rank, n) not in st.acked)
+            self._cv.notify_all()
+
+    def recover_rank(self, rank: int) -> int:
+        """A trainer rank crashed and restarts: return everything it claimed and did not ack to the pool, and
+        return the admission sequence number it must resume from (its first mini-batch not fully acked)."""
+        with self._cv:
+            if not 0 <= rank < self.num_ranks:
+                raise AdmissionStateError(f"rank {rank} out of range: this data plane has {self.num_ranks} ranks")
+            resume = len(self._log)
+            for seq, key in enumerate(self._log):
+                st = self._mbs[key]
+                st.claimed = {(r, n) for r, n in st.claimed if r != rank or (r, n) in st.acked}
+                produced = self._produced(st, rank)
+                if resume == len(self._log) and not st.released and any((rank, n) not in st.acked for n in produced):
+                    resume = seq
+            self._cv.notify_all()
+            return resume
+
+    def _produced(self, st: _MiniBatchState, rank: int) -> set[str]:
+        share = st.admitted.shares[rank]
+        return set.intersection(*(set(self._trajs[t].fields) for t in share)) if share else set()
+
+    def wait_released(self, count: int, timeout: float | None = None) -> int:
+        """Wait until at least ``count`` mini-batches are released (flow control for producers); returns the
+        number released. ``TimeoutError`` after ``timeout`` seconds."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._closed or self._released >= count, timeout):
+                raise TimeoutError(f"fewer than {count} mini-batches released within {timeout} s")
+            if self._released < count:
+                raise DataPlaneClosedError(f"controller closed with {self._released} < {count} released")
+            return self._released
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -250,4 +405,5 @@ class Controller:
 
     def stats(self) -> ControllerStats:
         with self._cv:
-            return ControllerStats(len(self._trajs), len(self._log), self._claims, self._released)
+            return ControllerStats(len(self._trajs), len(self._log), self._claims, self._released,
+                                   len(self._missing), self._units_lost)

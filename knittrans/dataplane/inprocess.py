@@ -7,12 +7,15 @@ which packs them (the one copy a ready-to-use tensor needs). Producers and ranks
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from knittrans.dataplane.client import DataPlaneClient, PrepareConfig
 from knittrans.dataplane.controller import Controller, ControllerConfig
 from knittrans.dataplane.storage import StorageUnit
 from knittrans.dataplane.types import TrajectorySchema
+
+if TYPE_CHECKING:
+    from knittrans.dataplane.faults import FaultPlan
 
 
 @dataclass
@@ -23,9 +26,12 @@ class InProcessDataPlane:
     controller: Controller
     units: dict[str, StorageUnit]
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    checksums: bool = False
+    """Clients checksum every put and verify every fetch (``DataPlaneClient.checksums``)."""
 
     def client(self, local_unit: str | None = None) -> DataPlaneClient:
-        return DataPlaneClient(self.controller, self.units, self.schema, local_unit, self.prepare)
+        return DataPlaneClient(self.controller, self.units, self.schema, local_unit, self.prepare,
+                               checksums=self.checksums)
 
     def close(self) -> None:
         self.controller.close()
@@ -33,8 +39,14 @@ class InProcessDataPlane:
 
 def build_inprocess(schema: TrajectorySchema, unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...],
                     balance_slack: float = 0.05, equal_counts: bool = True,
-                    prepare: PrepareConfig | None = None) -> InProcessDataPlane:
-    """One unit per ``unit_nodes`` entry (unit id -> node), ``len(rank_nodes)`` trainer ranks."""
+                    prepare: PrepareConfig | None = None, checksums: bool = False,
+                    faults: "FaultPlan | None" = None) -> InProcessDataPlane:
+    """One unit per ``unit_nodes`` entry (unit id -> node), ``len(rank_nodes)`` trainer ranks. ``faults``
+    (``knittrans.dataplane.faults.FaultPlan``) wraps the units it names in a ``FaultyUnit``; None: no wrapper."""
     ctrl = Controller(schema, unit_nodes, ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts))
     units = {u: StorageUnit(u, n, schema) for u, n in unit_nodes.items()}
-    return InProcessDataPlane(schema, ctrl, units, prepare or PrepareConfig())
+    if faults:
+        from knittrans.dataplane.faults import FaultyUnit
+
+        units = {u: FaultyUnit(unit, faults.for_unit(u)) if faults.for_unit(u) else unit for u, unit in units.items()}
+    return InProcessDataPlane(schema, ctrl, units, prepare or PrepareConfig(), checksums)

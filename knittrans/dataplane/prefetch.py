@@ -32,6 +32,9 @@ class PrefetchConfig:
     """Prepared shares held ahead of the trainer (1: exactly the next mini-batch)."""
     admit_timeout_s: float | None = None
     """Give up waiting for the next admission after this long (None: wait until closed)."""
+    ack_on_fetch: bool = True
+    """Ack each share as soon as it is fetched; False: the trainer calls ``client.ack(share)`` after its optimizer
+    step, so a rank that crashes first gets the share again (``Controller.recover_rank``, docs/reliability.md)."""
 
     def __post_init__(self) -> None:
         if self.depth < 1:
@@ -116,7 +119,8 @@ class Prefetcher:
                 raise TimeoutError(f"rank {self.rank}: no mini-batch #{seq} admitted within "
                                    f"{self.config.admit_timeout_s} s")
             try:
-                return self.client.fetch_next(seq, self.rank, self.fields, timeout=left)
+                return self.client.fetch_next(seq, self.rank, self.fields, timeout=left,
+                                              ack=self.config.ack_on_fetch)
             except TimeoutError:
                 continue
         return None

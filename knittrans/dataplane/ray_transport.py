@@ -21,7 +21,7 @@ other node string is a logical label (one machine, several "nodes"), which is ho
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import ray
 
@@ -29,16 +29,24 @@ from knittrans.dataplane.client import DataPlaneClient, PrepareConfig
 from knittrans.dataplane.controller import Controller, ControllerConfig, ControllerStats
 from knittrans.dataplane.storage import StorageUnit, UnitStats
 from knittrans.dataplane.types import (AdmittedMiniBatch, DataPlaneClosedError, DataPlaneError, MiniBatchKey,
-                                       PutRecord, ShareLocation, TrajectoryPayload, TrajectorySchema, UnitChunk)
+                                       PutRecord, ShareLocation, TrajectoryPayload, TrajectorySchema, UnitChunk,
+                                       UnitLostError)
 from knittrans.types import MiniBatch
+
+if TYPE_CHECKING:
+    from knittrans.dataplane.faults import FaultPlan
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
 class StorageUnitActor:
     """A ``StorageUnit`` in its own process (threaded: several ranks read at once)."""
 
-    def __init__(self, unit_id: str, node: str, schema: TrajectorySchema) -> None:
+    def __init__(self, unit_id: str, node: str, schema: TrajectorySchema, faults: tuple = ()) -> None:
         self.unit = StorageUnit(unit_id, node, schema)
+        if faults:  # knittrans.dataplane.faults: only a unit a FaultPlan names carries the wrapper
+            from knittrans.dataplane.faults import FaultyUnit
+
+            self.unit = FaultyUnit(self.unit, faults)
 
     def put(self, payloads: Sequence[TrajectoryPayload]) -> list[PutRecord]:
         return self.unit.put(payloads)
@@ -52,18 +60,26 @@ class StorageUnitActor:
     def stats(self) -> UnitStats:
         return self.unit.stats()
 
+    def lose(self) -> int:
+        """Fault injection: the unit dies now (needs a ``FaultPlan`` naming it)."""
+        return self.unit.lose()
+
+    def restart(self) -> None:
+        self.unit.restart()
+
 
 @ray.remote(num_cpus=0, max_concurrency=64)
 class ControllerActor:
     """A ``Controller`` in its own process; threaded so blocking waits do not serialize other calls."""
 
     def __init__(self, schema: TrajectorySchema, unit_nodes: Mapping[str, str], config: ControllerConfig,
-                 unit_actors: Mapping[str, "ray.actor.ActorHandle"]) -> None:
-        self.ctrl = Controller(schema, unit_nodes, config)
+                 unit_actors: Mapping[str, "ray.actor.ActorHandle"],
+                 controller_cls: type[Controller] = Controller) -> None:  # a subclass: knittrans.mmdedup.plane
+        self.ctrl = controller_cls(schema, unit_nodes, config)
         self.unit_actors = dict(unit_actors)
 
-    def register(self, records: Sequence[PutRecord]) -> None:
-        self.ctrl.register(records)
+    def register(self, records: Sequence[PutRecord]) -> tuple[int, ...]:
+        return self.ctrl.register(records)
 
     def admit(self, mb: MiniBatch) -> AdmittedMiniBatch:
         return self.ctrl.admit(mb)
@@ -89,15 +105,39 @@ class ControllerActor:
     def stats(self) -> ControllerStats:
         return self.ctrl.stats()
 
+    # faults and recovery (docs/reliability.md)
+    def lose_unit(self, unit_id: str) -> tuple[int, ...]:
+        return self.ctrl.lose_unit(unit_id)
 
-def _call(ref: "ray.ObjectRef"):  # noqa: ANN202
+    def missing(self) -> tuple[int, ...]:
+        return self.ctrl.missing()
+
+    def unreleased(self, traj_ids: Sequence[int]) -> tuple[int, ...]:
+        return self.ctrl.unreleased(traj_ids)
+
+    def unclaim(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> None:
+        self.ctrl.unclaim(key, rank, fields)
+
+    def recover_rank(self, rank: int) -> int:
+        return self.ctrl.recover_rank(rank)
+
+    def wait_released(self, count: int, timeout: float | None = None) -> int:
+        return self.ctrl.wait_released(count, timeout)
+
+
+def _call(ref: "ray.ObjectRef", unit_id: str | None = None):  # noqa: ANN202
     """``ray.get`` that re-raises a data-plane error raised inside an actor as itself (same class, same
-    message), so callers catch ``AlreadyConsumedError`` etc. on every transport alike."""
+    message), so callers catch ``AlreadyConsumedError`` etc. on every transport alike. A storage unit's actor
+    that died (``unit_id`` given) raises ``UnitLostError``."""
     try:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as e:
         if isinstance(e.cause, (DataPlaneError, DataPlaneClosedError, TimeoutError)):
             raise e.cause from None
+        raise
+    except ray.exceptions.RayActorError as e:
+        if unit_id is not None:
+            raise UnitLostError(unit_id, f"its actor died ({type(e).__name__})") from None
         raise
 
 
@@ -107,8 +147,8 @@ class RayControllerProxy:
 
     actor: "ray.actor.ActorHandle"
 
-    def register(self, records: Sequence[PutRecord]) -> None:
-        _call(self.actor.register.remote(records))
+    def register(self, records: Sequence[PutRecord]) -> tuple[int, ...]:
+        return _call(self.actor.register.remote(records))
 
     def admit(self, mb: MiniBatch) -> AdmittedMiniBatch:
         return _call(self.actor.admit.remote(mb))
@@ -128,18 +168,37 @@ class RayControllerProxy:
         self.actor.ack.remote(key, rank, tuple(fields))
         return ()
 
+    def lose_unit(self, unit_id: str) -> tuple[int, ...]:
+        return _call(self.actor.lose_unit.remote(unit_id))
+
+    def missing(self) -> tuple[int, ...]:
+        return _call(self.actor.missing.remote())
+
+    def unreleased(self, traj_ids: Sequence[int]) -> tuple[int, ...]:
+        return _call(self.actor.unreleased.remote(tuple(traj_ids)))
+
+    def unclaim(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> None:
+        _call(self.actor.unclaim.remote(key, rank, tuple(fields)))
+
+    def recover_rank(self, rank: int) -> int:
+        return _call(self.actor.recover_rank.remote(rank))
+
+    def wait_released(self, count: int, timeout: float | None = None) -> int:
+        return _call(self.actor.wait_released.remote(count, timeout))
+
 
 @dataclass(frozen=True)
 class RayUnitProxy:
     """``UnitAPI`` over a ``StorageUnitActor`` handle."""
 
     actor: "ray.actor.ActorHandle"
+    unit_id: str | None = None  # named in UnitLostError when the actor dies
 
     def put(self, payloads: Sequence[TrajectoryPayload]) -> list[PutRecord]:
-        return _call(self.actor.put.remote(list(payloads)))
+        return _call(self.actor.put.remote(list(payloads)), self.unit_id)
 
     def get(self, traj_ids: Sequence[int], fields: Sequence[str]) -> UnitChunk:
-        return _call(self.actor.get.remote(tuple(traj_ids), tuple(fields)))
+        return _call(self.actor.get.remote(tuple(traj_ids), tuple(fields)), self.unit_id)
 
     def drop(self, traj_ids: Sequence[int], fields: Sequence[str] | None = None) -> int:
         # Fire and forget: freeing memory is off the critical path; ordering per actor keeps it after the reads.
@@ -155,7 +214,7 @@ class ParallelRayGetter:
 
     def __call__(self, requests: Sequence[tuple[str, tuple[int, ...]]], fields: Sequence[str]) -> list[UnitChunk]:
         refs = [self.units[u].actor.get.remote(ts, tuple(fields)) for u, ts in requests]
-        return [_call(r) for r in refs]
+        return [_call(r, u) for r, (u, _) in zip(refs, requests)]
 
 
 def _node_affinity(node: str):  # noqa: ANN202 - a Ray scheduling strategy, or None for a logical label
@@ -175,11 +234,13 @@ class RayDataPlane:
     controller_actor: "ray.actor.ActorHandle"
     unit_actors: dict[str, "ray.actor.ActorHandle"]
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    checksums: bool = False
+    """Clients checksum every put and verify every fetch (``DataPlaneClient.checksums``, docs/reliability.md)."""
 
     def client(self, local_unit: str | None = None) -> DataPlaneClient:
-        units = {u: RayUnitProxy(a) for u, a in self.unit_actors.items()}
+        units = {u: RayUnitProxy(a, u) for u, a in self.unit_actors.items()}
         return DataPlaneClient(RayControllerProxy(self.controller_actor), units, self.schema, local_unit,
-                               self.prepare, getter=ParallelRayGetter(units))
+                               self.prepare, getter=ParallelRayGetter(units), checksums=self.checksums)
 
     def unit_stats(self) -> list[UnitStats]:
         return ray.get([a.stats.remote() for a in self.unit_actors.values()])
@@ -198,9 +259,11 @@ class RayDataPlane:
 
 def build_ray(schema: TrajectorySchema, unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...],
               balance_slack: float = 0.05, equal_counts: bool = True,
-              prepare: PrepareConfig | None = None) -> RayDataPlane:
+              prepare: PrepareConfig | None = None, checksums: bool = False,
+              faults: "FaultPlan | None" = None) -> RayDataPlane:
     """Start one ``StorageUnitActor`` per unit (pinned to its node when the node is a Ray node id) and one
-    ``ControllerActor``. Ray must already be initialized."""
+    ``ControllerActor``. Ray must already be initialized. ``checksums``: every put carries a CRC-32 per field,
+    verified by the unit and by the fetching rank; ``faults``: a ``knittrans.dataplane.faults.FaultPlan``."""
     if not ray.is_initialized():
         raise RuntimeError("build_ray: call ray.init(...) first (see the module docstring for clusters)")
     cfg = ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts)
@@ -208,8 +271,8 @@ def build_ray(schema: TrajectorySchema, unit_nodes: Mapping[str, str], rank_node
     for u, node in unit_nodes.items():
         strategy = _node_affinity(node)
         opts = {"scheduling_strategy": strategy} if strategy is not None else {}
-        units[u] = StorageUnitActor.options(**opts).remote(u, node, schema)
+        units[u] = StorageUnitActor.options(**opts).remote(u, node, schema, faults.for_unit(u) if faults else ())
     ctrl = ControllerActor.remote(schema, dict(unit_nodes), cfg, units)
-    dp = RayDataPlane(schema, ctrl, units, prepare or PrepareConfig())
+    dp = RayDataPlane(schema, ctrl, units, prepare or PrepareConfig(), checksums)
     ray.get([ctrl.stats.remote(), *(a.stats.remote() for a in units.values())])  # wait until all are up
     return dp

@@ -46,6 +46,15 @@ def validate_payload(schema: TrajectorySchema, p: TrajectoryPayload) -> dict[str
         arr = as_numpy(p.traj_id, name, value)
         schema.get(name).check(p.traj_id, arr)
         out[name] = arr
+    for group in schema.same_length:
+        lens = {n: int(out[n].shape[0]) for n in group if n in out}
+        if len(set(lens.values())) > 1:
+            raise SchemaMismatchError(f"trajectory {p.traj_id}: fields of mismatched length {lens} (schema: "
+                                      f"{list(group)} have one row per response token)")
+    if p.checksums is not None:  # the producer's checksums: a message corrupted on its way here is refused
+        from knittrans.dataplane.faults import verify_checksums
+
+        verify_checksums(p.traj_id, out, p.checksums, where="put")
     return out
 
 
@@ -77,9 +86,10 @@ class StorageUnit:
             for p, arrs in zip(payloads, checked):
                 self._data.setdefault(p.traj_id, {}).update(arrs)
                 tok = arrs.get(self.schema.token_field)
+                sums = p.checksums or {}
                 records.append(PutRecord(
                     traj_id=p.traj_id, unit_id=self.unit_id,
-                    fields=tuple(FieldMeta(n, int(a.nbytes), int(a.shape[0]) if a.ndim else 1)
+                    fields=tuple(FieldMeta(n, int(a.nbytes), int(a.shape[0]) if a.ndim else 1, sums.get(n))
                                  for n, a in arrs.items()),
                     num_tokens=None if tok is None else int(tok.shape[0])))
         return records
@@ -124,6 +134,13 @@ class StorageUnit:
                     freed += 0 if arr is None else int(arr.nbytes)
                 if not held:
                     del self._data[t]
+        return freed
+
+    def clear(self) -> int:
+        """Forget everything (the unit was lost); returns the bytes freed."""
+        with self._lock:
+            freed = sum(int(a.nbytes) for d in self._data.values() for a in d.values())
+            self._data.clear()
         return freed
 
     def stats(self) -> UnitStats:

@@ -55,6 +55,29 @@ class AdmissionStateError(DataPlaneError):
     """An admission the controller cannot accept (unknown trajectory, trajectory admitted twice ...)."""
 
 
+class UnitLostError(DataPlaneError):
+    """A storage unit is gone (its process died, or a fault plan took it): what it held must be re-put."""
+
+    def __init__(self, unit_id: str, detail: str = "") -> None:
+        super().__init__(unit_id, detail)  # both in args: the error pickles across Ray actors
+        self.unit_id = unit_id
+        self.detail = detail
+
+    def __str__(self) -> str:
+        return (f"storage unit {self.unit_id} is lost{': ' + self.detail if self.detail else ''}; "
+                f"re-put its trajectories to a live unit")
+
+
+class DataLostError(DataPlaneError):
+    """A fetch of a share whose trajectories were on a lost unit and have not been re-put yet; nothing was
+    claimed (a partial share is never handed to training)."""
+
+
+class CorruptPayloadError(DataPlaneError):
+    """A field's bytes do not match the checksum its producer computed (corrupted in transit or in storage);
+    the message names the trajectory and the field, and nothing stored or claimed was changed."""
+
+
 class DataPlaneClosedError(RuntimeError):
     """The data plane was closed while a caller waited on it."""
 
@@ -68,6 +91,7 @@ class FieldSpec:
     dtype: str
     ragged: bool = True
     tail: tuple[int, ...] = ()
+    finite: bool = False  # reject NaN/inf values (log-probs, advantages, rewards); one pass over the field
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -88,6 +112,10 @@ class FieldSpec:
             lead = "(n, " if self.ragged else "("
             raise SchemaMismatchError(f"trajectory {traj_id}: field {self.name!r} has shape {shape}, schema says "
                                       f"{lead}{', '.join(map(str, self.tail))})")
+        if self.finite and value.dtype.kind == "f" and not np.isfinite(value).all():
+            bad = np.flatnonzero(~np.isfinite(value.reshape(-1)))
+            raise SchemaMismatchError(f"trajectory {traj_id}: field {self.name!r} holds {bad.size} non-finite "
+                                      f"value(s) (first {value.reshape(-1)[bad[0]]} at flat index {bad[0]})")
 
 
 @dataclass(frozen=True)
@@ -97,9 +125,16 @@ class TrajectorySchema:
 
     fields: tuple[FieldSpec, ...]
     token_field: str
+    same_length: tuple[tuple[str, ...], ...] = ()
+    """Groups of ragged fields that must have the same length within one trajectory (e.g. per-response-token
+    log-probs, advantages and loss mask); checked among the fields a put carries together."""
 
     def __post_init__(self) -> None:
         names = [f.name for f in self.fields]
+        for group in self.same_length:
+            if any(n not in names or not self.get(n).ragged for n in group):
+                raise SchemaMismatchError(f"TrajectorySchema.same_length group {group} must name ragged fields of "
+                                          f"{names}")
         if len(set(names)) != len(names):
             raise SchemaMismatchError(f"TrajectorySchema: duplicate field names in {names}")
         spec = self.get(self.token_field) if self.token_field in names else None
@@ -135,6 +170,9 @@ class TrajectoryPayload:
 
     traj_id: int
     tensors: Mapping[str, np.ndarray]
+    checksums: Mapping[str, int] | None = None
+    """Producer-side checksum per field (``knittrans.dataplane.faults.field_checksum``), or None: verified by
+    the unit on receipt and by the rank on fetch, so a corrupted message is caught at both ends."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +182,7 @@ class FieldMeta:
     name: str
     nbytes: int
     length: int
+    checksum: int | None = None  # the producer's checksum of the bytes, when the put carried one
 
 
 @dataclass(frozen=True)
@@ -187,6 +226,7 @@ class ShareLocation:
     unit_ids: tuple[str, ...]  # unit_ids[i] holds traj_ids[i]
     fields: tuple[str, ...]
     nbytes: int  # payload bytes of the requested fields (what the rank receives)
+    checksums: tuple[tuple[int | None, ...], ...] = ()  # checksums[f][i]: field f of traj_ids[i]; () when none
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ trainer path that encodes each distinct image once with intact gradients. See do
 - ``fetch``: ``EncodingPlane`` (a store per storage unit; ``fetch`` moves each distinct encoding once).
 - ``gather``: ``collate`` / ``policy_logits(dedup=...)`` / ``grpo_loss`` (encoder once per distinct image,
   gathered into every occurrence; the undeduplicated twin behind the same switch).
+- ``plane``: the multimodal data plane (``MMStorageUnit`` with an encoding store, ``MMController``, ``MMClient``,
+  ``build_mm_inprocess``); ``plane_ray.build_mm_ray`` for the Ray transport (imported lazily: needs Ray).
 """
 
 from knittrans.mmdedup.fetch import DistinctFetch, EncodingPlane, ImageOccurrence

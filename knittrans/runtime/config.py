@@ -75,6 +75,9 @@ class RuntimeConfig:
     """Extra attempts for a failed wave when ``on_rollout_error`` is ``retry``."""
     on_rollout_error: OnRolloutError = OnRolloutError.RETRY
     """A wave that raises is retried, or fails the run; a group is never dropped silently."""
+    generation_timeout_s: float = 0.0
+    """Straggler policy: a generation wave still running after this many seconds is abandoned and regenerated
+    (it counts as a failed attempt under ``on_rollout_error``); 0 waits forever. See docs/reliability.md."""
     enforce_staleness_bound: bool = True
     """Fail loudly if a trajectory is staler than ``staleness_bound()`` (a flow-control bug, not a tuning knob)."""
     eval_every: int = 0
@@ -93,6 +96,8 @@ class RuntimeConfig:
         if self.prompts_per_batch % self.num_minibatches:
             raise RuntimeConfigError(f"RuntimeConfig: prompts_per_batch={self.prompts_per_batch} must be a multiple "
                                      f"of num_minibatches={self.num_minibatches} (whole groups per mini-batch)")
+        if not self.generation_timeout_s >= 0:
+            raise RuntimeConfigError(f"RuntimeConfig.generation_timeout_s must be >= 0, got {self.generation_timeout_s}")
         if self.inflight_groups < 0 or self.rollout_retries < 0 or self.eval_every < 0:
             raise RuntimeConfigError("RuntimeConfig: inflight_groups, rollout_retries and eval_every must be >= 0")
         object.__setattr__(self, "sync", SyncPolicy(self.sync))

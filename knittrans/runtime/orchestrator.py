@@ -15,10 +15,16 @@ Invariants checked on every run (``RunResult`` is returned only if they hold): e
 consumed by exactly one step; versions increase by one per step; no trajectory is staler than
 ``RuntimeConfig.staleness_bound()`` (when enforced). A failing generation wave is retried or fails the run
 (``RolloutWorkerError``); a group is never dropped silently.
+
+Faults (docs/reliability.md): a wave that dies mid-group or runs past ``generation_timeout_s`` is abandoned
+and regenerated under the retry policy (its partial output never reaches admission); a trainer crash re-delivers
+the mini-batch, and the ``StepLedger`` keyed by (batch, mini-batch index) applies each optimizer step once.
+``RuntimeFaultPlan`` injects them.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from collections import deque
@@ -28,8 +34,12 @@ import torch
 
 from baselines.admission import make_policy
 from knittrans.constraints import BatchConstraints
+from knittrans.dataplane.faults import StepLedger
+from knittrans.dataplane.types import MiniBatchKey
 from knittrans.runtime.config import OnRolloutError, RuntimeConfig, SyncPolicy
 from knittrans.runtime.engine import GroupRequest, RolloutEngine, Sample, SamplingConfig
+from knittrans.runtime.faults import (FaultLog, FaultyEngine, GenerationTimeoutError, RuntimeFaultPlan,
+                                      TrainerCrashedError)
 from knittrans.runtime.records import RunResult, StepRecord, TrajRecord
 from knittrans.runtime.trainer import GRPOTrainer, TrainItem, group_advantages
 from knittrans.types import BatchPlan, GroupSpec, MiniBatch, Trajectory
@@ -58,11 +68,16 @@ class RLTask(Protocol):
 class Orchestrator:
     """Runs one ``RuntimeConfig`` with a trainer, an engine and a task."""
 
-    def __init__(self, cfg: RuntimeConfig, trainer: GRPOTrainer, engine: RolloutEngine, task: RLTask) -> None:
+    def __init__(self, cfg: RuntimeConfig, trainer: GRPOTrainer, engine: RolloutEngine, task: RLTask,
+                 faults: RuntimeFaultPlan | None = None) -> None:
         self.cfg = cfg
         self.trainer = trainer
-        self.engine = engine
+        self.faults = faults or RuntimeFaultPlan()
+        self.fault_log = FaultLog()
+        self.engine = FaultyEngine(engine, self.faults, self.fault_log) if self.faults.engine_faults else engine
         self.task = task
+        self._ledger: StepLedger = StepLedger()  # exactly-once steps across trainer restarts
+        self._crashed: set[int] = set()
         self.sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
         self.constraints = BatchConstraints(batch_size=cfg.prompts_per_batch * cfg.group_size,
                                             num_minibatches=cfg.num_minibatches,
@@ -117,22 +132,30 @@ class Orchestrator:
         snapshots: dict[int, dict[str, torch.Tensor]] = {}
         if self.cfg.eval_every:
             snapshots[0] = self.trainer.weights()
-        if self.cfg.mode == "colocated":
-            self._run_colocated(steps, snapshots)
-        else:
-            worker = threading.Thread(target=self._rollout_loop, name="rollout", daemon=True)
-            worker.start()
-            try:
-                self._train_loop(steps, snapshots)
-            finally:
-                with self._cv:
-                    self._stop = True
-                    self._cv.notify_all()
-                worker.join()
+        try:
+            if self.cfg.mode == "colocated":
+                self._run_colocated(steps, snapshots)
+            else:
+                worker = threading.Thread(target=self._rollout_loop, name="rollout", daemon=True)
+                worker.start()
+                try:
+                    self._train_loop(steps, snapshots)
+                finally:
+                    with self._cv:
+                        self._stop = True
+                        self._cv.notify_all()
+                    worker.join()
+        finally:
+            if isinstance(self.engine, FaultyEngine):
+                self.engine.release()
         wall = self._now()
         result = RunResult(config=self.cfg, trajectories=sorted(self._records.values(), key=lambda r: r.traj_id),
                            steps=steps, wall_s=wall, engine=self.engine.stats, admission=self.policy.stats,
-                           publish_s=self._publish_s, snapshots=snapshots, rollout_failures=self._failures)
+                           publish_s=self._publish_s, snapshots=snapshots, rollout_failures=self._failures,
+                           faults_injected=dict(self.fault_log.injected),
+                           faults_recovered=dict(self.fault_log.recovered))
+        if self._ledger.version != len(steps):
+            raise RunInvariantError(f"{self._ledger.version} distinct steps applied but {len(steps)} recorded")
         check_run(result)
         return result
 
@@ -168,7 +191,10 @@ class Orchestrator:
         for attempt in range(attempts):
             try:
                 seed = self.cfg.seed * 7_919 + wave[0].group_id * 31 + attempt
-                return self.engine.generate(wave, self.sampling, seed=seed)
+                out = self._generate_within_timeout(wave, seed)
+                if attempt:
+                    self.fault_log.recover("regenerated_wave")
+                return out
             except Exception as e:  # noqa: BLE001 - any engine failure is retried or re-raised below, never lost
                 self._failures += 1
                 if attempt == attempts - 1:
@@ -177,6 +203,23 @@ class Orchestrator:
                                              f"{attempts} attempt(s), policy {self.cfg.on_rollout_error.value}: "
                                              f"{type(e).__name__}: {e}") from e
         raise AssertionError("unreachable")
+
+    def _generate_within_timeout(self, wave: list[GroupRequest], seed: int) -> list[Sample]:
+        """One generation call; with ``generation_timeout_s`` set, a call still running after it is abandoned
+        (``GenerationTimeoutError``: the retry policy regenerates the wave). An engine call cannot be pre-empted:
+        the abandoned call finishes in the background and its samples are discarded."""
+        timeout = self.cfg.generation_timeout_s
+        if not timeout:
+            return self.engine.generate(wave, self.sampling, seed=seed)
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
+        fut = pool.submit(self.engine.generate, wave, self.sampling, seed)
+        pool.shutdown(wait=False)
+        try:
+            return fut.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            self.fault_log.recover("straggler_abandoned")
+            raise GenerationTimeoutError(f"generation of groups {[r.group_id for r in wave]} ran past "
+                                         f"generation_timeout_s={timeout}; abandoned and regenerated") from None
 
     def _complete(self, wave: list[GroupRequest], samples: list[Sample], t_dispatch: float) -> None:
         """Score a finished wave and hand its trajectories to the admission policy (caller holds the lock)."""
@@ -256,7 +299,7 @@ class Orchestrator:
             if self.cfg.enforce_staleness_bound and r.staleness > self.cfg.staleness_bound():
                 raise StalenessBoundError(f"trajectory {r.traj_id} has staleness {r.staleness} > bound "
                                           f"{self.cfg.staleness_bound()} ({self.cfg.mode}, budget {self.cfg.budget})")
-        res = self.trainer.step(items)
+        res = self._step_exactly_once(mb, items, len(steps))
         steps.append(StepRecord(step=len(steps), version=res.version, batch_id=mb.batch_id, minibatch_index=mb.index,
                                 t_start=t_start, t_end=self._now(), step_s=res.step_s, tokens=res.tokens,
                                 mean_reward=sum(i.reward for i in items) / len(items),
@@ -269,6 +312,30 @@ class Orchestrator:
         with self._cv:
             self._inflight -= len(mb.group_ids)
             self._cv.notify_all()
+
+    def _step_exactly_once(self, mb: MiniBatch, items: list[TrainItem], step: int):  # noqa: ANN202 - StepResult
+        """The optimizer step of ``mb`` through the ledger. An injected crash restarts the trainer and re-delivers
+        the mini-batch (its items are kept until the step is recorded); the ledger, saved with the weights and
+        optimizer state in every step's checkpoint, skips a step that was applied before the crash."""
+        key = MiniBatchKey(mb.batch_id, mb.index)
+
+        def apply():  # noqa: ANN202
+            if self.faults.crashes_before(step) and step not in self._crashed:
+                self._crashed.add(step)
+                self.fault_log.inject("trainer_crash")
+                raise TrainerCrashedError(f"trainer crashed during step {step} ({key}), before its update")
+            return self.trainer.step(items)
+
+        while True:
+            try:
+                res, fresh = self._ledger.apply(key, apply)
+                if fresh and self.faults.crashes_after(step) and step not in self._crashed:
+                    self._crashed.add(step)
+                    self.fault_log.inject("trainer_crash")
+                    raise TrainerCrashedError(f"trainer crashed after the update of step {step} ({key})")
+                return res
+            except TrainerCrashedError:
+                self.fault_log.recover("trainer_restart")  # restart from the checkpoint; re-deliver mb
 
     def _train_loop(self, steps: list[StepRecord], snapshots: dict[int, dict[str, torch.Tensor]]) -> None:
         while len(steps) < self.cfg.total_steps:

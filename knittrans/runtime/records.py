@@ -94,6 +94,10 @@ class RunResult:
     """Weights after step k (keys: versions), every ``eval_every`` steps, for offline evaluation."""
     rollout_failures: int = 0
     """Waves that raised and were retried."""
+    faults_injected: dict[str, int] = field(default_factory=dict)
+    """Faults a ``RuntimeFaultPlan`` fired, by kind (``knittrans.runtime.faults``)."""
+    faults_recovered: dict[str, int] = field(default_factory=dict)
+    """Recoveries by kind: regenerated waves, abandoned stragglers, trainer restarts."""
 
     def staleness(self) -> np.ndarray:
         return np.array([t.staleness for t in self.trajectories], dtype=float)

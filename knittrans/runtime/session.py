@@ -23,6 +23,7 @@ import torch
 
 from knittrans.runtime.config import RuntimeConfig
 from knittrans.runtime.engine import GroupRequest, RolloutEngine, SamplingConfig
+from knittrans.runtime.faults import RuntimeFaultPlan
 from knittrans.runtime.hf_engine import HFRolloutEngine
 from knittrans.runtime.orchestrator import Orchestrator
 from knittrans.runtime.records import RunResult
@@ -53,15 +54,17 @@ def arith_setup(seed: int, policy: TinyPolicyConfig = TinyPolicyConfig(), warm: 
     return ArithSetup(model=model, tokenizer=tok, task=ArithRLTask(task, tok), seed=seed, grpo=grpo)
 
 
-def run_mode(cfg: RuntimeConfig, setup: ArithSetup, engine: RolloutEngine | None = None) -> RunResult:
-    """One run of ``cfg`` from the setup's weights (copied: the setup is reusable for the next mode)."""
+def run_mode(cfg: RuntimeConfig, setup: ArithSetup, engine: RolloutEngine | None = None,
+             faults: RuntimeFaultPlan | None = None) -> RunResult:
+    """One run of ``cfg`` from the setup's weights (copied: the setup is reusable for the next mode), with the
+    faults of ``faults`` injected (docs/reliability.md)."""
     check_tokenizer_matches(setup.model, setup.tokenizer)
     model = copy.deepcopy(setup.model)
     trainer = GRPOTrainer(model, setup.grpo, pad_token_id=setup.tokenizer.pad_token_id)
     if engine is None:
         engine = HFRolloutEngine(model, eos_token_id=setup.tokenizer.eos_token_id,
                                  pad_token_id=setup.tokenizer.pad_token_id)
-    return Orchestrator(cfg, trainer, engine, setup.task).run()
+    return Orchestrator(cfg, trainer, engine, setup.task, faults=faults).run()
 
 
 def heldout_problems(task: ArithTask, n: int, seed: int = 987_654_321) -> list[ArithProblem]:

@@ -1,0 +1,334 @@
+"""Multimodal trajectories through the on-demand data plane, with one stored and moved copy per distinct image.
+
+This composes ``knittrans.dataplane`` (controller, storage units, client, prefetcher, both transports) with the
+encoding store (``store.py``):
+
+- **Put** (producer, before t0): a rollout engine writes each trajectory's per-trajectory fields *and* the
+  ``pixel_values`` of the images it shows (``MMPayload``) to the storage unit on its node. The unit
+  (``MMStorageUnit``) registers the images in its ``EncodingStore`` -- one copy per distinct content, bytes
+  compared on every key hit, one reference per occurrence -- and writes the ``image_index`` field itself (the
+  slot of each occurrence, in placeholder order). The n samples of a GRPO group share one copy.
+- **Admit**: ``MMController`` splits a mini-batch into per-rank shares of *whole groups* (tokens balanced,
+  local first, via ``assign_shares`` over groups), so each distinct image lands on one rank; if the groups
+  cannot be dealt evenly it falls back to the per-trajectory split (dedup is then per rank).
+- **Fetch** (trainer rank): the ordinary claim / read / pack. A unit asked for ``image_index`` answers with an
+  ``MMUnitChunk``: the fields, plus each *distinct* (slot, grid) of the requested trajectories once, with
+  ``image_index`` rewritten to indices into that list; the client (``MMClient``) offsets the indices of several
+  units' chunks into one list and returns an ``MMShare``: fields as in text, ``images`` (an ``ImageSet`` of the
+  distinct images) and ``image_ids`` (per trajectory, its images' indices: the per-sample index map the
+  dedup trainer path ``gather.collate`` takes). Bytes moved = fields + distinct images' bytes.
+- **Release**: when the last rank acks the mini-batch the controller releases it and the units drop its
+  trajectories; ``MMStorageUnit.drop`` releases their references, and a slot is freed with its last one
+  (nothing freed early: a trajectory of a later mini-batch holds its own reference).
+
+Dedup is exact within a unit; the same content on two units is stored and moved once per unit (proving two units'
+copies equal would need their bytes in one place). Same bytes with different grids (a blank 56x84 and 84x56 image)
+share a slot but are delivered as two images: the encoder's output depends on the grid.
+
+Transports: ``build_mm_inprocess`` (here) and ``knittrans.mmdedup.plane_ray.build_mm_ray`` (units as Ray actors).
+
+Example (in-process)::
+
+    >>> import numpy as np, torch
+    >>> from knittrans.types import MiniBatch
+    >>> dp = build_mm_inprocess({"u0": "n0"}, rank_nodes=("n0",))
+    >>> img = torch.randn(16, 1176)
+    >>> def traj(t):
+    ...     f = {"input_ids": np.arange(6), "old_logprobs": np.zeros(2, np.float32),
+    ...          "advantages": np.ones(2, np.float32), "loss_mask": np.ones(2, bool)}
+    ...     return MMPayload(t, f, group=0, encodings=(img,), grids=((1, 4, 4),))
+    >>> dp.client("u0").put([traj(t) for t in range(4)])
+    >>> _ = dp.controller.admit(MiniBatch(0, 0, (0, 1, 2, 3), (0,), 24))
+    >>> share = dp.client().fetch(MiniBatch(0, 0, (0, 1, 2, 3), (0,), 24), rank=0)
+    >>> len(share.images.pixels), share.image_ids[3], share.pixel_nbytes == img.numel() * 4, dp.live_bytes()
+    (1, (0,), True, 0)
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import dataclass, field, fields as dc_fields, replace
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from knittrans.dataplane.assign import ShareItem, assign_shares
+from knittrans.dataplane.client import DataPlaneClient, PrepareConfig, pack_share
+from knittrans.dataplane.controller import Controller, ControllerConfig
+from knittrans.dataplane.inprocess import InProcessDataPlane
+from knittrans.dataplane.storage import StorageUnit, validate_payload
+from knittrans.dataplane.types import (DuplicatePutError, FieldSpec, PackedShare, PutRecord, SchemaMismatchError,
+                                       ShareLocation, TrajectoryPayload, TrajectorySchema, UnitChunk)
+from knittrans.mmdedup.gather import ImageSet
+from knittrans.mmdedup.keys import EncodingInputError, HashFn, check_encoding, encoding_hash_fn
+from knittrans.mmdedup.store import EncodingRef, EncodingStore, StoreStats
+from knittrans.types import MiniBatch
+
+IMAGE_FIELD = "image_index"
+"""The unit-written field: per trajectory, one int64 per image occurrence (placeholder order). Stored: the slot in
+the unit's encoding store. Delivered: the index of the image in the share's ``ImageSet``."""
+
+MM_SCHEMA = TrajectorySchema(
+    fields=(FieldSpec("input_ids", "int64"), FieldSpec("old_logprobs", "float32"),
+            FieldSpec("advantages", "float32"), FieldSpec("loss_mask", "bool"), FieldSpec(IMAGE_FIELD, "int64")),
+    token_field="input_ids")
+"""A multimodal trajectory: the text schema's fields (prompt + response ids; response-length logprobs,
+advantages, loss mask) and the image index. Pixel values travel beside it, once per distinct image."""
+
+
+@dataclass(frozen=True)
+class MMPayload(TrajectoryPayload):
+    """What a producer writes for one multimodal trajectory: its fields (not ``image_index``: the unit writes
+    it), its GRPO group, and the ``pixel_values`` ``[patches, patch_dim]`` and ``grid_thw`` of each image it shows,
+    in placeholder order (the n samples of a group pass the same tensors; the unit keeps one copy)."""
+
+    group: int = -1
+    encodings: tuple[torch.Tensor, ...] = ()
+    grids: tuple[tuple[int, int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class MMPutRecord(PutRecord):
+    """A unit's ``PutRecord`` plus the trajectory's group (what lets the controller keep groups whole)."""
+
+    group: int | None = None
+
+
+@dataclass(frozen=True)
+class MMUnitChunk(UnitChunk):
+    """A unit's answer to a get that includes ``image_index``: ``pixels[i]`` / ``grids[i]`` is the i-th distinct
+    image of the requested trajectories (each once), and their ``image_index`` values index this list.
+    ``occurrence_nbytes`` is what the same get would move with one copy per occurrence."""
+
+    pixels: tuple[np.ndarray, ...] = ()
+    grids: tuple[tuple[int, int, int], ...] = ()
+    pixel_dtype: str = "float32"
+    occurrence_nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class MMShare(PackedShare):
+    """A rank's share with its distinct images. ``nbytes`` = fields + ``pixel_nbytes`` (distinct images' bytes);
+    ``occurrence_nbytes`` = the pixel bytes a fetch without dedup would move."""
+
+    images: ImageSet = field(default_factory=lambda: ImageSet((), ()))
+    pixel_nbytes: int = 0
+    occurrence_nbytes: int = 0
+
+    @property
+    def image_ids(self) -> dict[int, tuple[int, ...]]:
+        """Per trajectory, its images' indices into ``images`` (placeholder order): ``TrainSample.image_ids``."""
+        f = self.fields[IMAGE_FIELD]
+        vals, cu = f.values.tolist(), f.cu_seqlens.tolist()
+        return {t: tuple(vals[cu[i]:cu[i + 1]]) for i, t in enumerate(self.traj_ids)}
+
+
+def _check_images(p: MMPayload) -> None:
+    if len(p.encodings) != len(p.grids):
+        raise EncodingInputError(f"trajectory {p.traj_id}: {len(p.encodings)} encodings but {len(p.grids)} grids")
+    for i, (e, g) in enumerate(zip(p.encodings, p.grids)):
+        check_encoding(e)
+        if len(g) != 3 or min(g) < 1 or g[0] * g[1] * g[2] != e.shape[0]:
+            raise EncodingInputError(f"trajectory {p.traj_id} image {i}: grid_thw {tuple(g)} does not match pixel "
+                                     f"values of shape {tuple(e.shape)}")
+
+
+class MMStorageUnit(StorageUnit):
+    """A storage unit that also holds one ``EncodingStore``: images once per distinct content, refcounted by the
+    trajectories that show them, released when the controller says those trajectories are consumed."""
+
+    def __init__(self, unit_id: str, node: str, schema: TrajectorySchema = MM_SCHEMA,
+                 hash_fn: HashFn = encoding_hash_fn) -> None:
+        if IMAGE_FIELD not in schema.names:
+            raise SchemaMismatchError(f"MMStorageUnit needs a schema with the {IMAGE_FIELD!r} field")
+        super().__init__(unit_id, node, schema)
+        self.store = EncodingStore(hash_fn)
+        self._occ: dict[int, tuple[tuple[EncodingRef, tuple[int, int, int]], ...]] = {}
+        self._occ_lock = threading.Lock()
+
+    def put(self, payloads: Sequence[TrajectoryPayload]) -> list[PutRecord]:
+        """Like ``StorageUnit.put`` (all or nothing); an ``MMPayload`` also stores its images (one reference per
+        occurrence) and writes ``image_index``. A trajectory's images come with its first put, exactly once."""
+        for p in payloads:  # validate everything before the store changes
+            if IMAGE_FIELD in p.tensors:
+                raise SchemaMismatchError(f"trajectory {p.traj_id}: {IMAGE_FIELD!r} is written by the storage unit "
+                                          f"from the payload's encodings; do not put it")
+            if isinstance(p, MMPayload):
+                validate_payload(self.schema, p)
+                _check_images(p)
+        mm = [p for p in payloads if isinstance(p, MMPayload)]
+        with self._occ_lock:
+            held = [p.traj_id for p in mm if p.traj_id in self._occ]
+        if held or len({p.traj_id for p in mm}) != len(mm):
+            raise DuplicatePutError(f"unit {self.unit_id}: images of trajectories {held or [p.traj_id for p in mm]} "
+                                    f"were already written (each trajectory's images are put exactly once)")
+        refs = [tuple(self.store.put(list(p.encodings))) if p.encodings else () for p in mm]
+        index = {p.traj_id: np.fromiter((r.slot for r in rs), dtype=np.int64, count=len(rs))
+                 for p, rs in zip(mm, refs)}
+        full = [TrajectoryPayload(**{**{f.name: getattr(p, f.name) for f in dc_fields(TrajectoryPayload)},
+                                     "tensors": {**p.tensors, IMAGE_FIELD: index[p.traj_id]}})
+                if p.traj_id in index else p for p in payloads]
+        try:
+            records = super().put(full)
+        except Exception:
+            self.store.release([r for rs in refs for r in rs])
+            raise
+        with self._occ_lock:
+            for p, rs in zip(mm, refs):
+                self._occ[p.traj_id] = tuple(zip(rs, (tuple(int(x) for x in g) for g in p.grids)))
+        groups = {p.traj_id: p.group for p in mm}
+        return [MMPutRecord(**{f.name: getattr(r, f.name) for f in dc_fields(r)}, group=groups.get(r.traj_id))
+                for r in records]
+
+    def get(self, traj_ids: Sequence[int], fields: Sequence[str]) -> UnitChunk:
+        """``StorageUnit.get``; with ``image_index`` among ``fields``, an ``MMUnitChunk`` carrying each distinct
+        image of these trajectories once (see the class doc)."""
+        chunk = super().get(traj_ids, fields)
+        if IMAGE_FIELD not in fields:
+            return chunk
+        with self._occ_lock:
+            occ = [self._occ.get(t, ()) for t in traj_ids]
+        index: dict[tuple[int, tuple[int, int, int]], int] = {}
+        pixels, grids, local = [], [], []
+        dtype, occ_bytes = "float32", 0
+        for t_occ in occ:
+            for ref, grid in t_occ:
+                key = (ref.slot, grid)
+                if key not in index:
+                    index[key] = len(pixels)
+                    x = self.store.get(ref)
+                    dtype = str(x.dtype).removeprefix("torch.")
+                    pixels.append((x.view(torch.int16) if x.dtype == torch.bfloat16 else x).numpy())
+                    grids.append(grid)
+                local.append(index[key])
+                occ_bytes += ref.nbytes
+        values = list(chunk.values)
+        values[list(fields).index(IMAGE_FIELD)] = np.asarray(local, dtype=np.int64)
+        base = {f.name: getattr(chunk, f.name) for f in dc_fields(chunk)}
+        base["values"] = tuple(values)
+        return MMUnitChunk(**base, pixels=tuple(pixels), grids=tuple(grids), pixel_dtype=dtype,
+                           occurrence_nbytes=occ_bytes)
+
+    def drop(self, traj_ids: Sequence[int], fields: Sequence[str] | None = None) -> int:
+        """``StorageUnit.drop``; dropping ``image_index`` (or everything) releases the trajectories' image
+        references, and a slot is freed with its last one. Returns the field bytes freed."""
+        freed = super().drop(traj_ids, fields)
+        if fields is None or IMAGE_FIELD in fields:
+            with self._occ_lock:
+                refs = [ref for t in traj_ids for ref, _ in self._occ.pop(t, ())]
+            self.store.release(refs)
+        return freed
+
+    def clear(self) -> int:
+        """Forget everything (the unit was lost, see ``StorageUnit.clear``), images included."""
+        freed = super().clear()
+        with self._occ_lock:
+            refs = [ref for occ in self._occ.values() for ref, _ in occ]
+            self._occ.clear()
+        self.store.release(refs)
+        return freed
+
+    def store_stats(self) -> StoreStats:
+        return self.store.stats()
+
+
+class MMController(Controller):
+    """A ``Controller`` that keeps GRPO groups whole within a rank's share (so a rank holds every occurrence of
+    an image it fetches). Groups come from ``MMPutRecord.group``; a mini-batch whose groups cannot be dealt to the
+    ranks in equal counts (or with trajectories of unknown group) is split per trajectory as usual."""
+
+    def __init__(self, schema: TrajectorySchema, unit_nodes: Mapping[str, str], config: ControllerConfig) -> None:
+        super().__init__(schema, unit_nodes, config)
+        self._group: dict[int, int] = {}
+
+    def register(self, records: Sequence[PutRecord]):  # noqa: ANN201 - whatever Controller.register returns
+        out = super().register(records)
+        with self._cv:
+            for r in records:
+                g = getattr(r, "group", None)
+                if g is not None and g >= 0:
+                    self._group[r.traj_id] = g
+        return out
+
+    def _assign(self, items: Sequence[ShareItem], mb: MiniBatch) -> tuple[tuple[int, ...], ...]:
+        groups: dict[int, list[ShareItem]] = {}
+        for it in items:
+            g = self._group.get(it.traj_id)
+            if g is None:
+                return super()._assign(items, mb)
+            groups.setdefault(g, []).append(it)
+        sizes = {len(v) for v in groups.values()}
+        nranks = self.num_ranks
+        if self.config.equal_counts and (len(sizes) != 1 or len(groups) % nranks):
+            return super()._assign(items, mb)
+        order = sorted(groups)
+        gitems = [ShareItem(i, sum(it.tokens for it in groups[g]), groups[g][0].node) for i, g in enumerate(order)]
+        gshares = assign_shares(gitems, self.config.rank_nodes, self.config.balance_slack, self.config.equal_counts)
+        owner = {it.traj_id: r for r, s in enumerate(gshares) for gi in s for it in groups[order[gi]]}
+        shares: list[list[int]] = [[] for _ in range(nranks)]
+        for it in items:
+            shares[owner[it.traj_id]].append(it.traj_id)
+        return tuple(tuple(s) for s in shares)
+
+
+@dataclass
+class MMClient(DataPlaneClient):
+    """``DataPlaneClient`` whose fetches (and prefetches) that include ``image_index`` return an ``MMShare``."""
+
+    def _pack(self, loc: ShareLocation, chunks: Sequence[UnitChunk]) -> PackedShare:
+        if IMAGE_FIELD not in loc.fields:
+            return pack_share(loc, chunks, self.schema, self.prepare)
+        f = loc.fields.index(IMAGE_FIELD)
+        shifted, pixels, grids, occ_bytes, offset = [], [], [], 0, 0
+        for ch in chunks:
+            if not isinstance(ch, MMUnitChunk):
+                raise SchemaMismatchError(f"unit {ch.unit_id} is not a multimodal storage unit (it returned no "
+                                          f"images for {IMAGE_FIELD!r})")
+            values = list(ch.values)
+            values[f] = values[f] + offset
+            shifted.append(replace(ch, values=tuple(values)))
+            with warnings.catch_warnings():  # object-store views are read-only; the trainer never writes pixels
+                warnings.simplefilter("ignore", UserWarning)
+                for a in ch.pixels:
+                    x = torch.from_numpy(a)
+                    pixels.append(x.view(torch.bfloat16) if ch.pixel_dtype == "bfloat16" else x)
+            grids += ch.grids
+            occ_bytes += ch.occurrence_nbytes
+            offset += len(ch.pixels)
+        share = pack_share(loc, shifted, self.schema, self.prepare)
+        pix_bytes = sum(x.numel() * x.element_size() for x in pixels)
+        base = {fl.name: getattr(share, fl.name) for fl in dc_fields(share)}
+        base["nbytes"] = share.nbytes + pix_bytes
+        return MMShare(**base, images=ImageSet(tuple(pixels), tuple(grids)), pixel_nbytes=pix_bytes,
+                       occurrence_nbytes=occ_bytes)
+
+
+def as_mm_client(client: DataPlaneClient) -> MMClient:
+    """The same client (controller, units, getter, options: whatever the transport set) as an ``MMClient``."""
+    return MMClient(**{f.name: getattr(client, f.name) for f in dc_fields(client) if f.init})
+
+
+@dataclass
+class MMInProcessDataPlane(InProcessDataPlane):
+    """The embedded transport with multimodal units (``units[u].store`` is unit u's encoding store)."""
+
+    def client(self, local_unit: str | None = None) -> MMClient:
+        return as_mm_client(super().client(local_unit))
+
+    def store_stats(self) -> dict[str, StoreStats]:
+        return {u: unit.store.stats() for u, unit in self.units.items()}
+
+    def live_bytes(self) -> int:
+        """Encoding bytes the units still hold (0 once every trajectory put is consumed)."""
+        return sum(s.live_bytes for s in self.store_stats().values())
+
+
+def build_mm_inprocess(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], schema: TrajectorySchema = MM_SCHEMA,
+                       hash_fn: HashFn = encoding_hash_fn, balance_slack: float = 0.05, equal_counts: bool = True,
+                       prepare: PrepareConfig | None = None) -> MMInProcessDataPlane:
+    """``build_inprocess`` with ``MMStorageUnit``s and the group-keeping ``MMController``."""
+    ctrl = MMController(schema, unit_nodes, ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts))
+    units = {u: MMStorageUnit(u, n, schema, hash_fn) for u, n in unit_nodes.items()}
+    return MMInProcessDataPlane(schema, ctrl, units, prepare or PrepareConfig())

@@ -1,0 +1,86 @@
+"""The multimodal data plane on the Ray transport: ``MMStorageUnit``s as actors, the ``MMController`` in the
+ordinary ``ControllerActor``, ``MMClient`` in any producer or rank process.
+
+A unit actor's ``get`` returns an ``MMUnitChunk``: the fields and each distinct image of the requested
+trajectories once, as numpy arrays (one object-store copy, zero-copy reads on the same node), straight to the
+rank -- never through a driver. Everything else (claim, prefetch, ack, release, the drop that frees encoding
+slots) is ``knittrans.dataplane.ray_transport``'s.
+
+    >>> # dp = build_mm_ray({"u0": "n0", "u1": "n1"}, rank_nodes=("n0", "n1"))
+    >>> # dp.client("u0").put([MMPayload(...), ...]); share = dp.client().fetch(mb, rank=0)  # an MMShare
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import ray
+
+from knittrans.dataplane.client import PrepareConfig
+from knittrans.dataplane.controller import ControllerConfig
+from knittrans.dataplane.ray_transport import ControllerActor, RayDataPlane, _node_affinity
+from knittrans.dataplane.storage import UnitStats
+from knittrans.dataplane.types import PutRecord, TrajectoryPayload, TrajectorySchema, UnitChunk
+from knittrans.mmdedup.keys import HashFn, encoding_hash_fn
+from knittrans.mmdedup.plane import MM_SCHEMA, MMClient, MMController, MMStorageUnit, as_mm_client
+from knittrans.mmdedup.store import StoreStats
+
+
+@ray.remote(num_cpus=0, max_concurrency=8)
+class MMStorageUnitActor:
+    """An ``MMStorageUnit`` in its own process (threaded: several ranks read at once)."""
+
+    def __init__(self, unit_id: str, node: str, schema: TrajectorySchema, hash_fn: HashFn) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        self.unit = MMStorageUnit(unit_id, node, schema, hash_fn)
+
+    def put(self, payloads: Sequence[TrajectoryPayload]) -> list[PutRecord]:
+        return self.unit.put(payloads)
+
+    def get(self, traj_ids: Sequence[int], fields: Sequence[str]) -> UnitChunk:
+        return self.unit.get(traj_ids, fields)
+
+    def drop(self, traj_ids: Sequence[int], fields: Sequence[str] | None = None) -> int:
+        return self.unit.drop(traj_ids, fields)
+
+    def stats(self) -> UnitStats:
+        return self.unit.stats()
+
+    def store_stats(self) -> StoreStats:
+        return self.unit.store_stats()
+
+
+@dataclass
+class MMRayDataPlane(RayDataPlane):
+    """``RayDataPlane`` whose clients are ``MMClient``s; picklable (pass it to producer and rank actors)."""
+
+    def client(self, local_unit: str | None = None) -> MMClient:
+        return as_mm_client(super().client(local_unit))
+
+    def store_stats(self) -> dict[str, StoreStats]:
+        return dict(zip(self.unit_actors, ray.get([a.store_stats.remote() for a in self.unit_actors.values()])))
+
+    def live_bytes(self) -> int:
+        """Encoding bytes the unit actors still hold (drops are fire-and-forget: call after they landed)."""
+        return sum(s.live_bytes for s in self.store_stats().values())
+
+
+def build_mm_ray(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], schema: TrajectorySchema = MM_SCHEMA,
+                 hash_fn: HashFn = encoding_hash_fn, balance_slack: float = 0.05, equal_counts: bool = True,
+                 prepare: PrepareConfig | None = None) -> MMRayDataPlane:
+    """``build_ray`` with ``MMStorageUnitActor``s and the ``MMController``. Ray must already be initialized."""
+    if not ray.is_initialized():
+        raise RuntimeError("build_mm_ray: call ray.init(...) first")
+    cfg = ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts)
+    units = {}
+    for u, node in unit_nodes.items():
+        strategy = _node_affinity(node)
+        opts = {"scheduling_strategy": strategy} if strategy is not None else {}
+        units[u] = MMStorageUnitActor.options(**opts).remote(u, node, schema, hash_fn)
+    ctrl = ControllerActor.remote(schema, dict(unit_nodes), cfg, units, MMController)
+    dp = MMRayDataPlane(schema, ctrl, units, prepare or PrepareConfig())
+    ray.get([ctrl.stats.remote(), *(a.stats.remote() for a in units.values())])  # wait until all are up
+    return dp

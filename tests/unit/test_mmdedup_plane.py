@@ -1,0 +1,136 @@
+"""The multimodal data plane in process (knittrans/mmdedup/plane.py): each distinct image stored once per unit and
+moved once per rank share, the per-sample index map, refcounts back to zero after consumption and never early,
+forced hash collisions that never alias, exactly-once delivery and bad input that changes nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from knittrans.dataplane import AlreadyConsumedError, SchemaMismatchError
+from knittrans.mmdedup import EncodingInputError
+from knittrans.mmdedup.plane import IMAGE_FIELD, MMPayload, MMShare, build_mm_inprocess
+from knittrans.types import MiniBatch
+from workloads.multimodal import MMWorkloadConfig, MultimodalWorkload
+from workloads.multimodal_data import trajectory_fields
+
+UNITS = {"u0": "n0", "u1": "n1"}
+RANKS = ("n0", "n1")
+
+
+def _groups(n=4, prompts=4, k=2, seed=0):
+    wl = MultimodalWorkload(MMWorkloadConfig(prompts_per_batch=prompts, n=n, images_per_prompt=k,
+                                             image_sizes=((56, 56), (56, 84)), seed=seed))
+    return wl.sample_batch(0)
+
+
+def _payloads(g, gi):
+    return [MMPayload(s.traj_id, trajectory_fields(s), group=gi,
+                      encodings=tuple(g.images[j].pixel_values for j in s.image_index),
+                      grids=tuple(g.images[j].grid_thw for j in s.image_index)) for s in g.samples]
+
+
+def _put_all(dp, groups):
+    for gi, g in enumerate(groups):
+        dp.client(f"u{gi % 2}").put(_payloads(g, gi))
+
+
+def _minibatches(groups, m):
+    per = len(groups) // m
+    return [MiniBatch(0, k, tuple(s.traj_id for g in groups[k * per:(k + 1) * per] for s in g.samples),
+                      tuple(range(k * per, (k + 1) * per)), 0) for k in range(m)]
+
+
+def _distinct_bytes(groups):
+    return sum(im.nbytes for g in groups for im in g.images)
+
+
+def test_each_distinct_image_is_stored_once_and_moved_once_per_share():
+    groups = _groups()
+    dp = build_mm_inprocess(UNITS, RANKS)
+    _put_all(dp, groups)
+    assert dp.live_bytes() == _distinct_bytes(groups)  # n samples, one stored copy
+    group_of = {s.traj_id: g for g in groups for s in g.samples}
+    moved = 0
+    for mb in _minibatches(groups, 2):
+        dp.controller.admit(mb)
+        for r in range(len(RANKS)):
+            share = dp.client().fetch(mb, rank=r)
+            assert isinstance(share, MMShare)
+            mine = {id(group_of[t]): group_of[t] for t in share.traj_ids}
+            assert all(len([t for t in share.traj_ids if group_of[t] is g]) == len(g.samples) for g in mine.values())
+            assert share.pixel_nbytes == _distinct_bytes(mine.values())  # each distinct image once
+            assert share.occurrence_nbytes == len(groups[0].samples) * share.pixel_nbytes
+            for t, ids in share.image_ids.items():  # the per-sample index map points at the right pixels
+                g = group_of[t]
+                assert len(ids) == len(g.images)
+                for j, i in enumerate(ids):
+                    assert torch.equal(share.images.pixels[i], g.images[j].pixel_values)
+                    assert share.images.grids[i] == g.images[j].grid_thw
+            moved += share.pixel_nbytes
+    assert moved == _distinct_bytes(groups)  # bytes moved with dedup = the distinct images' bytes
+    assert dp.live_bytes() == 0  # every reference released with its consumed trajectory
+
+
+def test_refcounts_release_with_the_last_consumer_and_never_early():
+    groups = _groups()
+    dp = build_mm_inprocess(UNITS, RANKS)
+    _put_all(dp, groups)
+    mb0, mb1 = _minibatches(groups, 2)
+    dp.controller.admit(mb0)
+    dp.controller.admit(mb1)
+    total = dp.live_bytes()
+    dp.client().fetch(mb0, rank=0)
+    assert dp.live_bytes() == total  # rank 1 has not consumed mb0: nothing freed early
+    dp.client().fetch(mb0, rank=1)
+    assert dp.live_bytes() == _distinct_bytes(groups[2:])  # mb0's images freed, mb1's held
+    for r in range(2):
+        dp.client().fetch(mb1, rank=r)
+    assert dp.live_bytes() == 0
+    stats = dp.store_stats()
+    assert sum(s.live_refs for s in stats.values()) == 0
+    assert sum(s.hits for s in stats.values()) == sum(len(g.samples) - 1 for g in groups) * len(groups[0].images)
+
+
+def test_forced_collisions_never_alias_through_the_plane():
+    groups = _groups()
+    dp = build_mm_inprocess(UNITS, RANKS, hash_fn=lambda ts: [b"\0" * 16 for _ in ts])  # every key collides
+    _put_all(dp, groups)
+    assert dp.live_bytes() == _distinct_bytes(groups)
+    mb = _minibatches(groups, 1)[0]
+    dp.controller.admit(mb)
+    group_of = {s.traj_id: g for g in groups for s in g.samples}
+    for r in range(2):
+        share = dp.client().fetch(mb, rank=r)
+        for t, ids in share.image_ids.items():
+            for j, i in enumerate(ids):
+                assert torch.equal(share.images.pixels[i], group_of[t].images[j].pixel_values)
+    assert sum(s.collisions for s in dp.store_stats().values()) > 0
+    assert dp.live_bytes() == 0
+
+
+def test_delivery_is_exactly_once_and_bad_input_changes_nothing():
+    groups = _groups(prompts=2)
+    dp = build_mm_inprocess(UNITS, RANKS)
+    good = _payloads(groups[0], 0)
+    bad_grid = MMPayload(good[0].traj_id, good[0].tensors, group=0, encodings=good[0].encodings,
+                         grids=((1, 2, 2),) * len(good[0].grids))
+    with pytest.raises(EncodingInputError):
+        dp.client("u0").put([*good[1:], bad_grid])  # all or nothing
+    with pytest.raises(SchemaMismatchError):
+        dp.client("u0").put([MMPayload(99, {**good[0].tensors, IMAGE_FIELD: np.zeros(1, np.int64)}, group=0)])
+    raw = MMPayload(good[0].traj_id, good[0].tensors, group=0,
+                    encodings=(torch.zeros(4, 1176, dtype=torch.uint8),), grids=((1, 2, 2),))
+    with pytest.raises(EncodingInputError):
+        dp.client("u0").put([raw])
+    assert dp.live_bytes() == 0 and dp.units["u0"].stats().num_trajectories == 0
+    dp.client("u0").put(good)
+    with pytest.raises(Exception):  # a trajectory's images are put exactly once; the unit rolls back
+        dp.client("u1").put(good[:1])
+    assert dp.units["u1"].stats().num_trajectories == 0 and dp.store_stats()["u1"].live_bytes == 0
+    mb = MiniBatch(0, 0, tuple(p.traj_id for p in good), (0,), 0)
+    dp.controller.admit(mb)
+    dp.client().fetch(mb, rank=0)
+    with pytest.raises(AlreadyConsumedError):
+        dp.client().fetch(mb, rank=0)

@@ -1,0 +1,65 @@
+"""The multimodal transfer workload: batch shapes for ``repro.transfer workload=multimodal`` and ``repro.speedup``,
+and the per-trajectory fields a rollout engine writes for a multimodal sample (``knittrans.mmdedup.plane``'s
+``MM_SCHEMA``: prompt + response ids, response-length logprobs, advantages and loss mask; the images travel beside
+them, once per distinct image).
+
+    >>> from workloads.multimodal import MultimodalWorkload
+    >>> w = MMTransferWorkload(prompts=2, n=4, image_side=56)
+    >>> groups = MultimodalWorkload(workload_config(w, seed=0)).sample_batch(0)
+    >>> f = trajectory_fields(groups[0].samples[0])
+    >>> sorted(f), f["old_logprobs"].shape == f["loss_mask"].shape
+    (['advantages', 'input_ids', 'loss_mask', 'old_logprobs'], True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from workloads.multimodal import MMSample, MMWorkloadConfig
+from workloads.vlm import TinyVLMConfig
+
+
+@dataclass
+class MMTransferWorkload:
+    """Shape of the multimodal transfer workload (``workload=multimodal``)."""
+
+    scale: str = "default"
+    """Label of the size preset; ``scale=paper`` (the Hydra group of ``repro.transfer``) sets the fields below."""
+    prompts: int = 32
+    """P: prompts per training batch (a multiple of num_minibatches x num_ranks keeps groups whole per rank)."""
+    n: int = 8
+    """Samples per prompt (GRPO group size)."""
+    images_per_prompt: int = 1
+    """Images per prompt."""
+    image_side: int = 224
+    """Nominal image side in pixels; prompts draw from side x side and the two side x 3/4 side rectangles.
+    224 x 224 = 256 patches x 1176 fp32 = 1.2 MB of pixel_values; 448 x 448 = 1024 patches = 4.8 MB."""
+
+
+def workload_config(w: MMTransferWorkload, seed: int, vlm: TinyVLMConfig | None = None) -> MMWorkloadConfig:
+    s = w.image_side
+    r = (s * 3 // 4) // 28 * 28
+    cfg = MMWorkloadConfig(prompts_per_batch=w.prompts, n=w.n, images_per_prompt=w.images_per_prompt,
+                           image_sizes=((s, s), (r, s), (s, r)), seed=seed)
+    return cfg if vlm is None else dataclasses.replace(cfg, vlm=vlm)
+
+
+def prompt_len(s: MMSample) -> int:
+    """Leading prompt tokens of a sample (its loss mask is False exactly on them)."""
+    return int((~s.loss_mask).sum())
+
+
+def trajectory_fields(s: MMSample, seed: int = 0) -> dict[str, np.ndarray]:
+    """What the rollout engine writes for one sample: ``input_ids`` (prompt + response, int64), and per response
+    token ``old_logprobs`` (fp32, seeded stand-ins for the engine's logprobs), ``advantages`` (fp32, the sample's
+    GRPO advantage) and ``loss_mask`` (bool)."""
+    lp = prompt_len(s)
+    r = int(s.token_ids.shape[0]) - lp
+    rng = np.random.default_rng(seed * 1_000_003 + s.traj_id)
+    return {"input_ids": s.token_ids.numpy().astype(np.int64, copy=False),
+            "old_logprobs": -rng.exponential(1.0, r).astype(np.float32),
+            "advantages": np.full(r, s.advantage, dtype=np.float32),
+            "loss_mask": np.ones(r, dtype=np.bool_)}
