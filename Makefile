@@ -18,7 +18,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PYTHONUNBUFFERED := 1
 
 # Tables run by `make repro`, in order: module[:override,override...] (Hydra overrides after the colon).
-TABLES ?= staleness simcheck kernels transfer:workload=text transfer:workload=multimodal speedup quality
+TABLES ?= staleness simcheck kernels transfer:workload=text transfer:workload=multimodal speedup quality reliability
 
 .PHONY: all setup test test-vllm gate repro bench bench-save bench-gate clean
 
@@ -50,6 +50,7 @@ test-vllm:
 
 gate: $(STAMP)
 	$(PY) -m repro.gate
+	$(MAKE) --no-print-directory bench-gate
 
 repro: $(STAMP)
 	@for t in $(TABLES); do mod=$${t%%:*}; args=""; case "$$t" in *:*) args=$$(echo "$${t#*:}" | tr ',' ' ');; esac; \

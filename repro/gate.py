@@ -24,6 +24,7 @@ class Injection(str, enum.Enum):
     NONE = "none"
     KNITTRANS_WAITS_WHOLE_BATCH = "knittrans_waits_whole_batch"  # KnitTrans admission replaced by train-batch
     NO_FEASIBILITY_CHECK = "no_feasibility_check"  # KnitTrans admission replaced by greedy streaming
+    DISABLE_DEDUP = "disable_dedup"  # the multimodal trainer path encodes every image occurrence
 
 
 INJECTIONS = {i.value: i for i in Injection}
@@ -41,6 +42,8 @@ class Gate:
     """Returns (measured value, context for the message)."""
     why: str
     """What the bound is and where its margin comes from."""
+    timing: bool = False
+    """True for a ratio of timings measured in one run (noisy); False for a deterministic quantity."""
 
     def check(self, value: float) -> bool:
         if self.op == ">=":
@@ -163,6 +166,142 @@ def _littles_law(inj: Injection) -> tuple[float, str]:
     return worst, "rho in {0.5, 2.0}"
 
 
+# -- transfer (a ratio measured within one run) ----------------------------------------------------------------
+
+_TRANSFER_CACHE: dict = {}
+
+
+def _transfer_claims(workload: str, inj: Injection) -> dict:
+    """A CI-size transfer table (in-process run of ``repro.transfer.run``), claims by name."""
+    key = (workload, inj)
+    if key in _TRANSFER_CACHE:
+        return _TRANSFER_CACHE[key]
+    import tempfile
+
+    from repro.transfer import TextWorkload, TransferConfig, run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = TransferConfig(workload=workload, systems=["centralized", "knittrans-ray"], num_batches=3, repeats=1,
+                             text=TextWorkload(num_prompts=32, group_size=16), compute_s_per_minibatch=0.3,
+                             logger="none", out_dir=tmp)
+        if workload == "multimodal":
+            cfg.systems = ["centralized", "knittrans-ray"]
+        res = run(cfg)
+    claims = {c.name: c for c in res.claims}
+    _TRANSFER_CACHE[key] = claims
+    return claims
+
+
+def _text_exposed_ratio(inj: Injection) -> tuple[float, str]:
+    c = _transfer_claims("text", inj).get("exposed_latency_ratio")
+    if c is None or c.measured is None:
+        return float("-inf"), "claim missing"
+    return float(c.measured), "512 trajectories, steady state, one run"
+
+
+# -- multimodal dedup (deterministic) ---------------------------------------------------------------------------
+
+_MM_N = 4
+
+
+def _mm_batches(inj: Injection):
+    """A tiny GRPO multimodal batch through the encoding plane: n samples per prompt share their images."""
+    from knittrans.mmdedup import BatchTokens, EncodingPlane, ImageSet, TrainSample, collate
+    from workloads.multimodal import MMWorkloadConfig, MultimodalWorkload
+    from workloads.vlm import TinyVLMConfig
+
+    vc = TinyVLMConfig()
+    wl = MultimodalWorkload(MMWorkloadConfig(prompts_per_batch=2, n=_MM_N, images_per_prompt=1,
+                                             image_sizes=((56, 56), (56, 84)), seed=0, vlm=vc))
+    groups = wl.sample_batch(0)
+    plane = EncodingPlane(["u0"])
+    samples = [s for g in groups for s in g.samples]
+    for g in groups:
+        for smp in g.samples:
+            plane.register("u0", smp.traj_id, [g.images[i].pixel_values for i in smp.image_index],
+                           [g.images[i].grid_thw for i in smp.image_index])
+    fetched = plane.fetch([smp.traj_id for smp in samples])
+    tokens = BatchTokens(wl.vocab.pad_id, wl.vocab.image_pad_id, vc.spatial_merge_size)
+    dd = [TrainSample(smp.traj_id, smp.token_ids, smp.loss_mask, smp.advantage, fetched.image_ids[smp.traj_id])
+          for smp in samples]
+    dedup = collate(dd, fetched.images, tokens)
+    pixels, grids, occ = [], [], []
+    for smp in dd:
+        ids = []
+        for i in smp.image_ids:
+            ids.append(len(pixels))
+            pixels.append(fetched.images.pixels[i])
+            grids.append(fetched.images.grids[i])
+        occ.append(TrainSample(smp.traj_id, smp.token_ids, smp.loss_mask, smp.advantage, tuple(ids)))
+    baseline = collate(occ, ImageSet(tuple(pixels), tuple(grids)), tokens)
+    return vc, wl, fetched, dedup, baseline
+
+
+def _mm_encoder_ratio(inj: Injection) -> tuple[float, str]:
+    import torch
+
+    from knittrans.mmdedup import policy_logits
+    from workloads.vlm import build_tiny_vlm, vision_tower
+
+    vc, wl, _, dedup, baseline = _mm_batches(inj)
+    model = build_tiny_vlm(vc, wl.vocab, seed=0, dtype=torch.float32)
+    seen: list[int] = []
+    hook = vision_tower(model).register_forward_hook(lambda m, args, out: seen.append(int(args[0].shape[0])))
+    try:
+        with torch.no_grad():
+            if inj is Injection.DISABLE_DEDUP:
+                policy_logits(model, baseline, dedup=False)  # the regression: every occurrence encoded
+            else:
+                policy_logits(model, dedup, dedup=True)
+            policy_logits(model, baseline, dedup=False)
+    finally:
+        hook.remove()
+    return seen[1] / seen[0], f"vision-tower patches without / with dedup, n={_MM_N} samples per image"
+
+
+def _mm_bytes_ratio(inj: Injection) -> tuple[float, str]:
+    _, _, fetched, _, _ = _mm_batches(inj)
+    return fetched.occurrence_nbytes / fetched.nbytes, f"pixel bytes per occurrence / moved, n={_MM_N}"
+
+
+# -- reliability (deterministic counts) --------------------------------------------------------------------------
+
+_REL_CACHE: dict = {}
+
+
+def _reliability_claims() -> dict:
+    if "claims" not in _REL_CACHE:
+        import json
+        import tempfile
+        from pathlib import Path
+
+        from repro.reliability import ReliabilityConf, run
+
+        import contextlib
+        import io
+
+        with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
+            run(ReliabilityConf(out_dir=tmp, logger="none", load_trajectories=4000, load_minibatch=200,
+                                transports=["inprocess"], runtime_faults=False))
+            data = json.loads((Path(tmp) / "summary.json").read_text())
+        _REL_CACHE["claims"] = {c["name"]: c for c in data["claims"]}
+    return _REL_CACHE["claims"]
+
+
+def _rel(name: str):
+    def measure(inj: Injection) -> tuple[float, str]:
+        c = _reliability_claims()[name]
+        return float(c["measured"]), "in-process data-plane faults, bad-input catalogue, 4k-trajectory load"
+    return measure
+
+
+def _rel_missing(name: str):
+    def measure(inj: Injection) -> tuple[float, str]:
+        c = _reliability_claims()[name]
+        return float(c["paper"]) - float(c["measured"]), "injected/tried minus survived/rejected"
+    return measure
+
+
 # -- kernels ---------------------------------------------------------------------------------------------------
 
 
@@ -207,6 +346,20 @@ def gates() -> list[Gate]:
              "the scenario must keep exercising feasibility"),
         Gate("littles_law_error", "staleness", "<=", 0.10, _littles_law,
              "simulator vs C*M_tail/(B*max(1,rho)), relative"),
+        Gate("exposed_latency_ratio", "transfer-text", ">=", 5.0, _text_exposed_ratio,
+             "target 10 (KnitTrans <= 10% of the verl-style baseline) with a 2x margin for a noisy CI machine; "
+             "a ratio of two timings from one run", timing=True),
+        Gate("mm_encoder_patch_ratio", "speedup", "==", float(_MM_N), _mm_encoder_ratio,
+             "dedup encodes each distinct image once: exactly n times fewer vision-tower patches"),
+        Gate("mm_bytes_ratio", "transfer-multimodal", "==", float(_MM_N), _mm_bytes_ratio,
+             "bytes moved with dedup = the distinct images' bytes"),
+        Gate("trajectories_lost", "reliability", "==", 0.0, _rel("trajectories_lost"), "nothing lost"),
+        Gate("trajectories_duplicated", "reliability", "==", 0.0, _rel("trajectories_duplicated"),
+             "nothing consumed twice"),
+        Gate("faults_not_survived", "reliability", "==", 0.0, _rel_missing("faults_survived"),
+             "every injected fault survived"),
+        Gate("bad_input_not_rejected", "reliability", "==", 0.0, _rel_missing("bad_input_rejected"),
+             "every bad-input case rejected with a clear error"),
         Gate("hash_zero_pad_collisions", "kernels", "==", 0.0, _hash_pad_collisions,
              "length sensitivity: a zero-padded copy must hash differently"),
         Gate("hash_kernel_equals_reference", "kernels", "==", 0.0, _hash_kernel_equals_reference,
@@ -214,10 +367,12 @@ def gates() -> list[Gate]:
     ]
 
 
-def run_gates(inject: Injection = Injection.NONE, only: str | None = None) -> list[GateResult]:
+def run_gates(inject: Injection = Injection.NONE, only: str | None = None,
+              timing: bool = True) -> list[GateResult]:
+    """Run the gates (of one table with ``only``; without the timing-ratio gates with ``timing=False``)."""
     out = []
     for g in gates():
-        if only and g.table != only:
+        if (only and g.table != only) or (g.timing and not timing):
             continue
         t = time.perf_counter()
         value, ctx = g.measure(inject)
@@ -230,8 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inject", default="none", choices=sorted(INJECTIONS),
                     help="switch on a deliberate regression (the targeted gates must fail)")
     ap.add_argument("--only", default=None, help="run only this table's gates (staleness, kernels, ...)")
+    ap.add_argument("--no-timing", action="store_true", help="skip the gates over timing ratios")
     args = ap.parse_args(argv)
-    results = run_gates(INJECTIONS[args.inject], args.only)
+    results = run_gates(INJECTIONS[args.inject], args.only, timing=not args.no_timing)
     for r in results:
         print(r.message, flush=True)
     failed = [r for r in results if not r.passed]
