@@ -37,9 +37,11 @@ if TYPE_CHECKING:
     from knittrans.dataplane.faults import FaultPlan
 
 
-@ray.remote(num_cpus=0, max_concurrency=8)
-class StorageUnitActor:
-    """A ``StorageUnit`` in its own process (threaded: several ranks read at once)."""
+class UnitHost:
+    """The body of a storage-unit actor: forwards the unit API to ``self.unit`` (set by ``__init__``). Undecorated
+    so that other unit kinds (``knittrans.mmdedup.plane_ray``) can extend it before becoming actors."""
+
+    unit: StorageUnit
 
     def __init__(self, unit_id: str, node: str, schema: TrajectorySchema, faults: tuple = ()) -> None:
         self.unit = StorageUnit(unit_id, node, schema)
@@ -66,6 +68,10 @@ class StorageUnitActor:
 
     def restart(self) -> None:
         self.unit.restart()
+
+
+# A StorageUnit in its own process (threaded: several ranks read at once).
+StorageUnitActor = ray.remote(num_cpus=0, max_concurrency=8)(UnitHost)
 
 
 @ray.remote(num_cpus=0, max_concurrency=64)

@@ -13,23 +13,21 @@ slots) is ``knittrans.dataplane.ray_transport``'s.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping
 
 import ray
 
 from knittrans.dataplane.client import PrepareConfig
 from knittrans.dataplane.controller import ControllerConfig
-from knittrans.dataplane.ray_transport import ControllerActor, RayDataPlane, _node_affinity
-from knittrans.dataplane.storage import UnitStats
-from knittrans.dataplane.types import PutRecord, TrajectoryPayload, TrajectorySchema, UnitChunk
+from knittrans.dataplane.ray_transport import ControllerActor, RayDataPlane, UnitHost, _node_affinity
+from knittrans.dataplane.types import TrajectorySchema
 from knittrans.mmdedup.keys import HashFn, encoding_hash_fn
 from knittrans.mmdedup.plane import MM_SCHEMA, MMClient, MMController, MMStorageUnit, as_mm_client
 from knittrans.mmdedup.store import StoreStats
 
 
-@ray.remote(num_cpus=0, max_concurrency=8)
-class MMStorageUnitActor:
-    """An ``MMStorageUnit`` in its own process (threaded: several ranks read at once)."""
+class MMUnitHost(UnitHost):
+    """An ``MMStorageUnit`` behind the storage-unit actor API, plus its encoding-store statistics."""
 
     def __init__(self, unit_id: str, node: str, schema: TrajectorySchema, hash_fn: HashFn) -> None:
         import torch
@@ -37,20 +35,12 @@ class MMStorageUnitActor:
         torch.set_num_threads(1)
         self.unit = MMStorageUnit(unit_id, node, schema, hash_fn)
 
-    def put(self, payloads: Sequence[TrajectoryPayload]) -> list[PutRecord]:
-        return self.unit.put(payloads)
-
-    def get(self, traj_ids: Sequence[int], fields: Sequence[str]) -> UnitChunk:
-        return self.unit.get(traj_ids, fields)
-
-    def drop(self, traj_ids: Sequence[int], fields: Sequence[str] | None = None) -> int:
-        return self.unit.drop(traj_ids, fields)
-
-    def stats(self) -> UnitStats:
-        return self.unit.stats()
-
     def store_stats(self) -> StoreStats:
         return self.unit.store_stats()
+
+
+# An MMStorageUnit in its own process (threaded: several ranks read at once).
+MMStorageUnitActor = ray.remote(num_cpus=0, max_concurrency=8)(MMUnitHost)
 
 
 @dataclass
