@@ -19,33 +19,21 @@ from __future__ import annotations
 
 from collections import deque
 
-from knittrans.admission.base import AdmissionError, AdmissionStats, BatchLedger, BatchState
+from knittrans.admission.base import AdmissionError, BatchState, LedgerPolicy
 from knittrans.admission.feasibility import DEFAULT_NODE_LIMIT, Unit, bin_ok, solve
 from knittrans.admission.minibatch import _first_fit_to
 from knittrans.constraints import BatchConstraints, ConstraintError
-from knittrans.types import BatchPlan, MiniBatch, Trajectory
+from knittrans.types import MiniBatch, Trajectory
 
 
-class TrainBatchAdmission:
+class TrainBatchAdmission(LedgerPolicy):
     """Admit a batch only once all of it has completed, as its M mini-batches."""
 
     name = "train_batch"
 
     def __init__(self, constraints: BatchConstraints, node_limit: int = 200_000) -> None:
-        self.constraints = constraints
-        self.ledger = BatchLedger(constraints)
+        super().__init__(constraints)
         self.node_limit = node_limit
-        self._stats = AdmissionStats()
-
-    @property
-    def stats(self) -> AdmissionStats:
-        return self._stats
-
-    def add_batch(self, plan: BatchPlan) -> None:
-        self.ledger.add_batch(plan)
-
-    def on_complete(self, traj: Trajectory) -> None:
-        self.ledger.add(traj)
 
     def on_trainer_ready(self, now: float) -> list[MiniBatch]:
         b = self.ledger.current()
@@ -65,30 +53,14 @@ class TrainBatchAdmission:
         return [self.ledger.commit(b, list(bn)) for bn in bins]
 
 
-class GreedyStreamingAdmission:
+class GreedyStreamingAdmission(LedgerPolicy):
     """Stream the first locally valid mini-batch of completed units (FIFO), with no feasibility check."""
 
     name = "greedy"
 
     def __init__(self, constraints: BatchConstraints) -> None:
-        self.constraints = constraints
-        self.ledger = BatchLedger(constraints)
-        self._stats = AdmissionStats()
+        super().__init__(constraints)
         self._dead: set[int] = set()
-        self._dirty = True  # a unit became ready (or a batch was added) since the last attempt that waited
-
-    @property
-    def stats(self) -> AdmissionStats:
-        return self._stats
-
-    def add_batch(self, plan: BatchPlan) -> None:
-        self.ledger.add_batch(plan)
-        self._dirty = True
-
-    def on_complete(self, traj: Trajectory) -> None:
-        g = self.ledger.add(traj)
-        if not self.constraints.whole_groups or g.complete:
-            self._dirty = True
 
     def on_trainer_ready(self, now: float) -> list[MiniBatch]:
         b = self.ledger.current()
@@ -143,7 +115,7 @@ class GreedyStreamingAdmission:
         return self.ledger.commit(b, units, tuple(violations))
 
 
-class BoundedAsyncAdmission:
+class BoundedAsyncAdmission(LedgerPolicy):
     """AReaL-style: a training batch is the first B trajectories (whole groups) to complete, from any prompt
     batch; it is split into M mini-batches in completion order. Requires uniform groups, whole-group
     mini-batches and no token budget (AReaL's setting)."""
@@ -158,21 +130,12 @@ class BoundedAsyncAdmission:
         if c.minibatch_size % c.group_size:
             raise ConstraintError(f"BoundedAsyncAdmission: mini-batch size {c.minibatch_size} is not a multiple "
                                   f"of group_size {c.group_size}")
-        self.constraints = c
-        self.ledger = BatchLedger(c)  # validation and per-group state only
+        super().__init__(c)  # the ledger: validation and per-group state only
         self._ready: deque[tuple[int, int]] = deque()  # (batch_id, group_id) in completion order
         self._next_batch = 0
-        self._stats = AdmissionStats()
-
-    @property
-    def stats(self) -> AdmissionStats:
-        return self._stats
-
-    def add_batch(self, plan: BatchPlan) -> None:
-        self.ledger.add_batch(plan)
 
     def on_complete(self, traj: Trajectory) -> None:
-        g = self.ledger.add(traj)
+        g = self._record(traj)
         if g.complete:
             self._ready.append((traj.batch_id, traj.group_id))
 

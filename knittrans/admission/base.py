@@ -208,3 +208,36 @@ class BatchLedger:
                 f"batch {b.plan.batch_id} finished with unconsumed trajectories"
             self.order.popleft()
         return mb
+
+
+class LedgerPolicy:
+    """Plumbing every policy here shares: the ledger, the stats, and a ``_dirty`` flag that is set whenever a
+    batch is added or a unit (a whole group, or a trajectory without whole groups) becomes ready, so a policy can
+    skip composition attempts that cannot succeed. Subclasses implement ``on_trainer_ready``."""
+
+    name = "ledger"
+
+    def __init__(self, constraints: BatchConstraints,
+                 oracle_tokens: Callable[[int], int] | None = None) -> None:
+        self.constraints = constraints
+        self.ledger = BatchLedger(constraints, oracle_tokens=oracle_tokens)
+        self._stats = AdmissionStats()
+        self._dirty = True  # something changed since the last attempt that committed nothing
+
+    @property
+    def stats(self) -> AdmissionStats:
+        return self._stats
+
+    def add_batch(self, plan: BatchPlan) -> None:
+        self.ledger.add_batch(plan)
+        self._dirty = True
+
+    def on_complete(self, traj: Trajectory) -> None:
+        self._record(traj)
+
+    def _record(self, traj: Trajectory) -> GroupState:
+        """Validate and record ``traj`` (the ledger rejects it before changing anything); mark a ready unit."""
+        g = self.ledger.add(traj)
+        if not self.constraints.whole_groups or g.complete:
+            self._dirty = True
+        return g

@@ -40,10 +40,10 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Iterator, Sequence
 
-from knittrans.admission.base import AdmissionStats, BatchLedger, BatchState
+from knittrans.admission.base import BatchState, LedgerPolicy
 from knittrans.admission.feasibility import DEFAULT_NODE_LIMIT, Unit, Verdict, _uniform_counts, bin_ok, solve
 from knittrans.constraints import BatchConstraints
-from knittrans.types import BatchPlan, MiniBatch, Trajectory
+from knittrans.types import MiniBatch, Trajectory
 
 
 def candidate_bins(ready: Sequence[Unit], c: BatchConstraints, exhaustive_max: int,
@@ -108,7 +108,7 @@ def _subsets(units: Sequence[Unit], c: BatchConstraints, limit: int) -> Iterator
     yield from rec(0, 0, 0)
 
 
-class KnitTransAdmission:
+class KnitTransAdmission(LedgerPolicy):
     """Mini-batch admission with a feasibility guarantee (see the module docstring)."""
 
     name = "knittrans"
@@ -116,13 +116,10 @@ class KnitTransAdmission:
     def __init__(self, constraints: BatchConstraints, node_limit: int = DEFAULT_NODE_LIMIT,
                  exhaustive_max: int = 12, subset_limit: int = 4096,
                  oracle_tokens: Callable[[int], int] | None = None) -> None:
-        self.constraints = constraints
-        self.ledger = BatchLedger(constraints, oracle_tokens=oracle_tokens)
+        super().__init__(constraints, oracle_tokens)
         self.node_limit = node_limit
         self.exhaustive_max = exhaustive_max
         self.subset_limit = subset_limit
-        self._stats = AdmissionStats()
-        self._dirty = True  # something changed since the last attempt that committed nothing
         # Whether the last failed attempt had a valid candidate among ready units whose rest was not provably
         # feasible. Only then can a partial arrival (which lowers a pending group's token bound but makes no unit
         # ready) change the answer.
@@ -131,19 +128,9 @@ class KnitTransAdmission:
         # closed form applies when tokens can never bind and every unit has the same size
         self._uniform = c.token_budget is None and (c.group_size is not None or not c.whole_groups)
 
-    @property
-    def stats(self) -> AdmissionStats:
-        return self._stats
-
-    def add_batch(self, plan: BatchPlan) -> None:
-        self.ledger.add_batch(plan)
-        self._dirty = True
-
     def on_complete(self, traj: Trajectory) -> None:
-        g = self.ledger.add(traj)
-        if not self.constraints.whole_groups or g.complete:
-            self._dirty = True  # a unit became ready
-        elif self.constraints.token_budget is not None and self._blocked_by_rest:
+        g = self._record(traj)
+        if not g.complete and self.constraints.token_budget is not None and self._blocked_by_rest:
             # a partial group's token bound (known + missing * max_response_len) just dropped, which can make the
             # rest of a candidate fit the budget: re-check even though no unit became ready
             self._dirty = True
