@@ -129,6 +129,16 @@ def _pad(rows: Sequence[np.ndarray], width: int, dtype: np.dtype, left: bool, fi
     return out
 
 
+def _dense_len(longest: int, cap: int, what: str, config: CentralizedConfig) -> int:
+    """Columns of the dense layout: the batch's longest (pad_to="longest") or the configured cap ("max", as verl
+    pads), which nothing may exceed."""
+    if config.pad_to != "max":
+        return longest
+    if longest > cap:
+        raise ValueError(f"a {what} of {longest} tokens exceeds max_{what}_len={cap}")
+    return cap
+
+
 def build_dense_batch(gathered: Sequence[Sequence[TrajectoryPayload]], prompts: Sequence[np.ndarray],
                       prompt_of: dict[int, int], group_size: int, plan: RankPlan,
                       config: CentralizedConfig = CentralizedConfig()) -> DenseBatch:
@@ -136,11 +146,7 @@ def build_dense_batch(gathered: Sequence[Sequence[TrajectoryPayload]], prompts: 
     into the balanced plan. ``prompt_of[traj]`` is the group (prompt index) of each trajectory."""
     by_id = {p.traj_id: p for chunk in gathered for p in chunk}  # DataProto.concat
     # The prompt batch repeated n times, interleaved: row g*n + i is prompt g (verl repeats before generation).
-    lp = max(int(p.shape[0]) for p in prompts)
-    if config.pad_to == "max":
-        if lp > config.max_prompt_len:
-            raise ValueError(f"a prompt of {lp} tokens exceeds max_prompt_len={config.max_prompt_len}")
-        lp = config.max_prompt_len
+    lp = _dense_len(max(int(p.shape[0]) for p in prompts), config.max_prompt_len, "prompt", config)
     prompt_dense = _pad(prompts, lp, np.dtype(np.int64), left=True, fill=config.pad_token_id)
     repeated = np.repeat(prompt_dense, group_size, axis=0)
     order = np.array([t for rows in plan.rows_per_rank for t in rows], dtype=np.int64)
@@ -153,11 +159,7 @@ def build_dense_batch(gathered: Sequence[Sequence[TrajectoryPayload]], prompts: 
     prompt_rows = repeated[[first_row[int(t)] for t in order]]  # DataProto.reorder (a copy)
     prompt_lens = np.array([prompts[prompt_of[int(t)]].shape[0] for t in order])
     responses = [by_id[int(t)].tensors["input_ids"][prompt_lens[i]:] for i, t in enumerate(order)]
-    lr = max(int(r.shape[0]) for r in responses)
-    if config.pad_to == "max":
-        if lr > config.max_response_len:
-            raise ValueError(f"a response of {lr} tokens exceeds max_response_len={config.max_response_len}")
-        lr = config.max_response_len
+    lr = _dense_len(max(int(r.shape[0]) for r in responses), config.max_response_len, "response", config)
     resp = _pad(responses, lr, np.dtype(np.int64), left=False, fill=config.pad_token_id)
     input_ids = np.concatenate([prompt_rows, resp], axis=1)
     resp_lens = np.array([r.shape[0] for r in responses])

@@ -28,14 +28,6 @@ FIELDS = TEXT_SCHEMA.names
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False,
-             configure_logging=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def dp(ray_local):
     """One data plane for the module (actor start-up dominates these tests); tests use disjoint batch ids."""
     plane = build_ray(TEXT_SCHEMA, UNITS, RANKS)

@@ -28,13 +28,6 @@ RANKS = ("n0", "n1")
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def dp(ray_local):
     plane = build_mm_ray(UNITS, RANKS)
     yield plane

@@ -23,13 +23,6 @@ UNITS = {"u0": "n0", "u1": "n1"}
 RANKS = ("n0", "n1")
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False, configure_logging=False)
-    yield
-    ray.shutdown()
-
-
 def _batch(seed=0):
     return make_text_batch(TextDataConfig(num_prompts=4, group_size=4, response_len_median=16, max_response_len=64,
                                           prompt_len_mean=8, seed=seed))
