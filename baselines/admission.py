@@ -23,7 +23,7 @@ from knittrans.admission.base import AdmissionError, BatchState, LedgerPolicy
 from knittrans.admission.feasibility import DEFAULT_NODE_LIMIT, Unit, bin_ok, solve
 from knittrans.admission.minibatch import _first_fit_to
 from knittrans.constraints import BatchConstraints, ConstraintError
-from knittrans.types import MiniBatch, Trajectory
+from knittrans.types import AdmissionKind, MiniBatch, Trajectory
 
 
 class TrainBatchAdmission(LedgerPolicy):
@@ -165,27 +165,30 @@ class BoundedAsyncAdmission(LedgerPolicy):
         return out
 
 
-def make_policy(name: str, constraints: BatchConstraints, **kwargs) -> "object":
-    """Build an admission policy by name: knittrans, clairvoyant (needs oracle_tokens), train_batch, greedy,
-    bounded_async, colocated (train-batch admission; the execution mode is the simulator's)."""
+def make_policy(kind: AdmissionKind | str, constraints: BatchConstraints, **kwargs) -> LedgerPolicy:
+    """Build an admission policy by kind (``knittrans.types.AdmissionKind`` or its value): knittrans, clairvoyant
+    (needs ``oracle_tokens``), train_batch, greedy, bounded_async. A colocated run admits with train_batch. The
+    signature is ``knittrans.runtime.orchestrator.PolicyFactory``'s, so this can be passed to the runtime."""
     from knittrans.admission.minibatch import KnitTransAdmission
 
-    if name == "knittrans":
+    try:
+        kind = AdmissionKind(kind)
+    except ValueError:
+        raise ValueError(f"unknown admission policy {kind!r}; choose one of {[k.value for k in AdmissionKind]} (a "
+                         f"colocated run admits with train_batch)") from None
+    if kind is AdmissionKind.KNITTRANS:
         return KnitTransAdmission(constraints, **kwargs)
-    if name == "clairvoyant":
+    if kind is AdmissionKind.CLAIRVOYANT:
         if "oracle_tokens" not in kwargs:
             raise ValueError("the clairvoyant policy needs oracle_tokens (true token count per group id)")
         p = KnitTransAdmission(constraints, **kwargs)
         p.name = "clairvoyant"
         return p
-    if name in ("train_batch", "colocated"):
+    if kind is AdmissionKind.TRAIN_BATCH:
         return TrainBatchAdmission(constraints)
-    if name == "greedy":
+    if kind is AdmissionKind.GREEDY:
         return GreedyStreamingAdmission(constraints)
-    if name == "bounded_async":
-        return BoundedAsyncAdmission(constraints)
-    raise ValueError(f"unknown admission policy {name!r}; choose knittrans, clairvoyant, train_batch, greedy, "
-                     f"bounded_async or colocated")
+    return BoundedAsyncAdmission(constraints)
 
 
 __all__ = ["BoundedAsyncAdmission", "GreedyStreamingAdmission", "TrainBatchAdmission", "bin_ok", "make_policy",

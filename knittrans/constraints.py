@@ -157,7 +157,10 @@ class BatchConstraints:
 
     def check_plan(self, plan: BatchPlan) -> None:
         """Reject a batch plan that no admission could split: wrong group sizes, a group larger than any
-        allowed mini-batch, or a total that M allowed mini-batches cannot hold. Raises ConstraintError."""
+        allowed mini-batch, or a total that M allowed mini-batches cannot hold. Raises ConstraintError.
+
+        Arithmetic only: whether whole groups of these sizes can be binned into M mini-batches is a packing
+        question, answered by ``knittrans.admission.feasibility.check_plan`` (which calls this first)."""
         total = plan.num_trajectories
         for g in plan.groups:
             if self.group_size is not None and g.size != self.group_size:
@@ -178,15 +181,3 @@ class BatchConstraints:
                                   f"{self.num_minibatches} mini-batches with sizes in {sizes} (the allowed sizes "
                                   f"that fit token_budget={self.token_budget} at max_response_len="
                                   f"{self.max_response_len})")
-        if self.whole_groups:
-            # Whole groups make the split a bin-packing problem; reject a plan only on an exact INFEASIBLE (every
-            # response at max_response_len), so a plan too large to decide is still accepted.
-            from knittrans.admission.feasibility import Unit, Verdict, solve  # feasibility imports this module
-
-            L = self.max_response_len
-            units = [Unit(g.group_id, g.size, g.size * L, False, i) for i, g in enumerate(plan.groups)]
-            if solve(units, self.num_minibatches, self).verdict is Verdict.INFEASIBLE:
-                raise ConstraintError(
-                    f"batch {plan.batch_id}: its groups (sizes {sorted(g.size for g in plan.groups)}) cannot be "
-                    f"split whole into num_minibatches={self.num_minibatches} mini-batches with sizes in {sizes}"
-                    f" when every response runs to max_response_len={L} (whole_groups=True)")

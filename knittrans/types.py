@@ -26,13 +26,69 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from functools import cached_property
-from typing import NewType
+from typing import TYPE_CHECKING, Mapping, NewType
+
+if TYPE_CHECKING:  # numpy only annotates WorkloadBatch; this module stays import-light
+    import numpy as np
 
 PolicyVersion = NewType("PolicyVersion", int)
 TrajId = int
 GroupId = int
 BatchId = int
+
+
+# -- the shared vocabulary: one set of enums for the runtime, the simulator, the handoff and the Hydra configs ------
+
+
+class ExecutionMode(str, Enum):
+    """Where rollout and training run."""
+
+    COLOCATED = "colocated"
+    """Synchronously on shared resources: generate a whole batch, then train its M mini-batches (the reference
+    whose staleness is purely algorithmic)."""
+    DISAGGREGATED = "disaggregated"
+    """On separate resources, concurrently; an admission policy decides what each step consumes."""
+
+
+class AdmissionKind(str, Enum):
+    """Which admission policy a run uses (``baselines.admission.make_policy`` builds one by kind)."""
+
+    KNITTRANS = "knittrans"
+    """Mini-batch admission with a feasibility proof for the rest of the batch (``knittrans.admission``)."""
+    TRAIN_BATCH = "train_batch"
+    """Admit a batch once all of it has completed, as its M mini-batches (verl and most async stacks)."""
+    GREEDY = "greedy"
+    """Stream the first locally valid mini-batch, with no look-ahead (can dead-end; counted)."""
+    BOUNDED_ASYNC = "bounded_async"
+    """AReaL-style: a batch is whatever whole groups complete first."""
+    CLAIRVOYANT = "clairvoyant"
+    """KnitTrans admission told every response's true length in advance (an upper bound, simulator only)."""
+
+    @property
+    def whole_batch(self) -> bool:
+        """Commits nothing before a whole batch has completed (its in-flight budget must hold a batch)."""
+        return self in (AdmissionKind.TRAIN_BATCH, AdmissionKind.BOUNDED_ASYNC)
+
+
+class SyncPolicy(str, Enum):
+    """When the trainer's weights reach the rollout engines."""
+
+    EVERY_STEP = "every_step"
+    EVERY_K = "every_k"
+    """After every ``k`` optimizer steps."""
+    EVERY_BATCH = "every_batch"
+    """After the last mini-batch of every batch."""
+
+
+class InflightPolicy(str, Enum):
+    """What a weight sync does to requests in flight."""
+
+    CONTINUE = "continue"
+    """They finish with the new weights; ``v_gen`` stays the oldest version that produced any of their tokens."""
+    ABORT = "abort"
+    """They restart from scratch with the new weights; their tokens are wasted."""
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -140,3 +196,15 @@ class MiniBatch:
     @property
     def size(self) -> int:
         return len(self.traj_ids)
+
+
+@dataclass(frozen=True)
+class WorkloadBatch:
+    """One training batch of a workload: its plan and the true response length of each trajectory, by group
+    (what the simulator replays; ``workloads.text.generate_batches`` draws them)."""
+
+    plan: BatchPlan
+    lengths: Mapping[int, "np.ndarray"]
+
+    def group_tokens(self, group_id: int) -> int:
+        return int(self.lengths[group_id].sum())

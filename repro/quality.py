@@ -37,10 +37,11 @@ from tqdm import tqdm
 
 from knittrans.runtime.config import RuntimeConfig, SyncPolicy
 from knittrans.runtime.records import RunResult, write_trace
-from knittrans.runtime.session import arith_setup, greedy_accuracy, heldout_problems, run_mode
+from workloads.arith_session import arith_setup, greedy_accuracy, heldout_problems, run_mode
 from knittrans.runtime.trainer import GRPOConfig
 from workloads.arith import ArithTask
 from workloads.tiny_models import TinyPolicyConfig, WarmStartConfig
+from baselines.admission import make_policy
 
 MODES = ("colocated", "train_batch", "knittrans")
 
@@ -73,9 +74,9 @@ class QualityConfig:
     knittrans_budget: int = 0
     """In-flight groups for KnitTrans; 0 = 2 mini-batches' worth (2 P / M)."""
     sync: str = "every_step"
-    """Weight sync policy of the disaggregated modes: every_step, every_k_steps, every_batch."""
+    """Weight sync policy of the disaggregated modes: every_step, every_k, every_batch."""
     sync_every: int = 1
-    """k for every_k_steps."""
+    """k for every_k."""
     wave_groups: int = 8
     """Groups per generation call (one mini-batch's worth at the defaults)."""
     eval_every: int = 50
@@ -99,7 +100,7 @@ def runtime_config(cfg: QualityConfig, mode: str, seed: int) -> RuntimeConfig:
     P, M = cfg.prompts_per_batch, cfg.num_minibatches
     budget = {"colocated": 0, "train_batch": cfg.trainbatch_budget or P,
               "knittrans": cfg.knittrans_budget or 2 * P // M}[mode]
-    return RuntimeConfig(mode=mode, num_batches=cfg.num_batches, prompts_per_batch=P, group_size=cfg.group_size,
+    return RuntimeConfig.for_system(mode, num_batches=cfg.num_batches, prompts_per_batch=P, group_size=cfg.group_size,
                          num_minibatches=M, max_new_tokens=ArithTask().max_answer_len + 2,
                          sync=SyncPolicy(cfg.sync), sync_every=cfg.sync_every, inflight_groups=budget,
                          wave_groups=cfg.wave_groups, eval_every=cfg.eval_every, seed=seed)
@@ -213,7 +214,7 @@ def run_table(cfg: QualityConfig):
                             GRPOConfig(lr=cfg.lr, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef), task)
         for mode in MODES:
             rc = runtime_config(cfg, mode, seed)
-            run = run_mode(rc, setup)
+            run = run_mode(rc, setup, make_policy=make_policy)
             steps, acc, wall = evaluate(setup, run, problems)
             curves.append(Curve(mode, seed, steps, acc, wall, [s.mean_reward for s in run.steps], run))
             write_trace(run, f"{cfg.out_dir}/traces/{mode}-seed{seed}.csv.gz")

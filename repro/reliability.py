@@ -251,8 +251,8 @@ def _catalogue() -> list[BadInputCase]:
                      _raises_only(lambda: BatchConstraints(8, 2, 10, token_budget=5))),
         BadInputCase("constraints_dp_unsplittable", "constraints", ConstraintError, r"unsatisfiable constraint set",
                      _raises_only(lambda: BatchConstraints(8, 2, 10, group_size=4, dp_size=3))),
-        BadInputCase("budget_that_deadlocks", "constraints", RuntimeConfigError, r"would deadlock mode 'train_batch'",
-                     _raises_only(lambda: RuntimeConfig(mode="train_batch", prompts_per_batch=8, inflight_groups=4)),
+        BadInputCase("budget_that_deadlocks", "constraints", RuntimeConfigError, r"would deadlock admission 'train_batch'",
+                     _raises_only(lambda: RuntimeConfig.for_system("train_batch", prompts_per_batch=8, inflight_groups=4)),
                      "tests/unit/test_runtime_components.py::test_budget_that_would_deadlock_train_batch_admission_is_rejected"),
         BadInputCase("corrupted_put", "transport", CorruptPayloadError, r"trajectory 60: field 'input_ids' is corrupt "
                      r"on put", _dp_case(lambda g: _payload(60, g[1].tensors), checksums=True,
@@ -313,25 +313,27 @@ def runtime_fault_scenarios(seed: int) -> list[FaultOutcome]:
 
     from knittrans.runtime.config import RuntimeConfig
     from knittrans.runtime.faults import RuntimeFaultPlan
-    from knittrans.runtime.session import arith_setup, run_mode
+    from baselines.admission import make_policy
+    from workloads.arith_session import arith_setup, run_mode
     from workloads.tiny_models import WarmStartConfig
 
     torch.set_num_threads(1)
     setup = arith_setup(seed=seed, warm=WarmStartConfig(steps=20))
     small = dict(num_batches=3, prompts_per_batch=8, group_size=2, num_minibatches=4, wave_groups=2, seed=seed)
     scenarios = [
-        ("rollout_worker_dies_mid_group", RuntimeConfig(mode="knittrans", inflight_groups=4, **small),
+        ("rollout_worker_dies_mid_group", RuntimeConfig.for_system("knittrans", inflight_groups=4, **small),
          RuntimeFaultPlan(kill_worker_groups=(3, 12))),
-        ("straggling_engine_timeout", RuntimeConfig(mode="knittrans", inflight_groups=4, generation_timeout_s=1.0,
+        ("straggling_engine_timeout", RuntimeConfig.for_system("knittrans", inflight_groups=4, generation_timeout_s=1.0,
                                                     **small), RuntimeFaultPlan(slow_groups=(5,), slow_s=120.0)),
-        ("trainer_crash_before_update", RuntimeConfig(mode="knittrans", inflight_groups=4, **small),
+        ("trainer_crash_before_update", RuntimeConfig.for_system("knittrans", inflight_groups=4, **small),
          RuntimeFaultPlan(crash_steps=(2, 7))),
-        ("trainer_crash_after_update", RuntimeConfig(mode="train_batch", inflight_groups=8, **small),
+        ("trainer_crash_after_update", RuntimeConfig.for_system("train_batch", inflight_groups=8, **small),
          RuntimeFaultPlan(crash_steps=(5,), crash_after_update=True)),
     ]
     out = []
     for name, cfg, plan in scenarios:
-        run = run_mode(cfg, setup, faults=plan)  # raises RunInvariantError if anything was lost or trained twice
+        # raises RunInvariantError if anything was lost or trained twice
+        run = run_mode(cfg, setup, faults=plan, make_policy=make_policy)
         injected = sum(run.faults_injected.values())
         recovered = run.faults_recovered.get("regenerated_wave", 0) + run.faults_recovered.get("trainer_restart", 0)
         expected = set(range(cfg.num_batches * cfg.prompts_per_batch * cfg.group_size))

@@ -18,6 +18,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 from tqdm import tqdm
+from baselines.admission import make_policy
 
 
 @dataclass
@@ -50,7 +51,7 @@ def run(cfg: SimCheckConf) -> dict:
     import matplotlib.pyplot as plt
 
     from knittrans.runtime import RuntimeConfig
-    from knittrans.runtime.session import arith_setup, run_mode
+    from workloads.arith_session import arith_setup, run_mode
     from knittrans.sim.calibrate import compare
     from repro.logger import publish
     from repro.results import Claim, Results
@@ -63,10 +64,10 @@ def run(cfg: SimCheckConf) -> dict:
         for seed in cfg.seeds:
             setup = arith_setup(seed=seed)
             for mode, budget, sync in settings:
-                rc = RuntimeConfig(mode=mode, num_batches=cfg.num_batches, prompts_per_batch=cfg.prompts_per_batch,
+                rc = RuntimeConfig.for_system(mode, num_batches=cfg.num_batches, prompts_per_batch=cfg.prompts_per_batch,
                                    group_size=cfg.group_size, num_minibatches=cfg.num_minibatches,
                                    inflight_groups=budget, wave_groups=cfg.wave_groups, sync=sync, seed=seed)
-                c = compare(run_mode(rc, setup))
+                c = compare(run_mode(rc, setup, make_policy=make_policy), make_policy)
                 comps.append((seed, sync, c))
                 e, t = c.calibration.sim.engine, c.calibration.sim.trainer
                 res.rows.append({"seed": seed, "mode": mode, "budget": budget, "sync": sync,
@@ -81,12 +82,12 @@ def run(cfg: SimCheckConf) -> dict:
     res.claims.append(Claim(
         "sim_vs_real_staleness_error", paper=cfg.target, measured=w.rel_error, unit="relative",
         holds=w.rel_error <= cfg.target,
-        note=f"target <= {cfg.target}; the largest over {len(comps)} real runs: {w.mode} budget {w.budget} "
+        note=f"target <= {cfg.target}; the largest over {len(comps)} real runs: {w.system} budget {w.budget} "
              f"{worst[1]} seed {worst[0]}: measured mean staleness {w.measured_mean:.2f}, simulated "
              f"{w.simulated_mean:.2f}"))
     fig, ax = plt.subplots(figsize=(5, 5))
     for mode, color in (("train_batch", "C1"), ("knittrans", "C0")):
-        pts = [c for _, _, c in comps if c.mode == mode]
+        pts = [c for _, _, c in comps if c.system == mode]
         ax.scatter([c.measured_mean for c in pts], [c.simulated_mean for c in pts], color=color, label=mode)
     hi = max(max(c.measured_mean, c.simulated_mean) for _, _, c in comps) * 1.1
     ax.plot([0, hi], [0, hi], "k--", lw=0.8)

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from baselines.admission import make_policy
 from knittrans.constraints import BatchConstraints
-from knittrans.sim import (EngineConfig, FlowConfig, FlowKind, Inflight, Mode, SimConfig, SimDeadlock, SyncConfig,
+from knittrans.sim import (EngineConfig, FlowConfig, FlowKind, InflightPolicy, ExecutionMode, SimConfig, SimDeadlock, SyncConfig,
                            SyncPolicy, TrainerConfig, simulate)
 from knittrans.staleness import run_metrics
 from workloads.text import TAILS, LengthDist, TextWorkloadConfig, generate_batches
@@ -182,7 +182,7 @@ def _workload(p: Point) -> TextWorkloadConfig:
 def _sim_config(p: Point) -> SimConfig:
     s = p.system
     scale = p.P / DAPO_PROMPTS
-    mode = Mode.COLOCATED if p.policy == "colocated" else Mode.DISAGGREGATED
+    mode = ExecutionMode.COLOCATED if p.policy == "colocated" else ExecutionMode.DISAGGREGATED
     if p.policy == "bounded_async":
         flow = FlowConfig(kind=FlowKind.AREAL, eta=max(0, int(round(p.budget)) - 1))
     else:
@@ -193,7 +193,7 @@ def _sim_config(p: Point) -> SimConfig:
                             load_alpha=s.load_alpha),
         trainer=TrainerConfig(step_overhead=s.step_overhead * scale, per_token=s.per_token),
         sync=SyncConfig(policy=SyncPolicy(p.sync), k=s.sync_k, cost=s.sync_cost * scale,
-                        inflight=Inflight(s.inflight)),
+                        inflight=InflightPolicy(s.inflight)),
         flow=flow, colocated_switch_cost=s.sync_cost * scale, record_timeline=p.timeline)
 
 
@@ -208,7 +208,7 @@ def run_point(p: Point) -> PointResult:
         truth = {g.group_id: wb.group_tokens(g.group_id) for wb in batches for g in wb.plan.groups}
         kwargs["oracle_tokens"] = truth.__getitem__
     try:
-        policy = make_policy(p.policy, c, **kwargs)
+        policy = make_policy("train_batch" if p.policy == "colocated" else p.policy, c, **kwargs)
     except ValueError as e:
         return PointResult(p, False, f"not applicable: {e}")
     cfg = _sim_config(p)

@@ -19,16 +19,13 @@ Example::
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 
+from knittrans.runtime.trainer import RewardError, check_reward  # noqa: F401 - re-exported: the task's rewards
+
 ARITH_ALPHABET = "0123456789+="
 """Every character a prompt or an answer can contain (the tokenizer's non-special vocabulary)."""
-
-
-class RewardError(ValueError):
-    """A reward that is not a finite number (NaN, inf): GRPO advantages would be undefined."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,15 +71,6 @@ class ArithTask:
     def reward(self, problem: ArithProblem, response: str) -> float:
         """1.0 iff ``response`` (already cut at EOS) is exactly the answer."""
         return 1.0 if response == problem.answer else 0.0
-
-
-def check_reward(value: float, where: str) -> float:
-    """Return ``value`` as a float, or raise ``RewardError`` naming ``where`` if it is NaN or infinite."""
-    v = float(value)
-    if not math.isfinite(v):
-        raise RewardError(f"non-finite reward {value!r} for {where}; rewards must be finite numbers "
-                          f"(GRPO normalizes them within a group)")
-    return v
 
 
 @dataclass(frozen=True)

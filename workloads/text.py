@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from knittrans.types import BatchPlan, GroupSpec
+from knittrans.types import BatchPlan, GroupSpec, WorkloadBatch
 
 
 @dataclass(frozen=True)
@@ -76,17 +76,6 @@ class TextWorkloadConfig:
         if self.variable_groups and self.batch_total is not None:
             return self.batch_total
         return self.prompts_per_batch * self.group_size
-
-
-@dataclass(frozen=True)
-class WorkloadBatch:
-    """One training batch: its plan and the true response length of each trajectory, by group."""
-
-    plan: BatchPlan
-    lengths: dict[int, np.ndarray]
-
-    def group_tokens(self, group_id: int) -> int:
-        return int(self.lengths[group_id].sum())
 
 
 def generate_batches(cfg: TextWorkloadConfig, num_batches: int, seed: int) -> list[WorkloadBatch]:

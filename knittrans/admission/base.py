@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, runtime_checkable
 
-from knittrans.admission.feasibility import Unit
+from knittrans.admission.feasibility import Unit, check_plan
 from knittrans.constraints import BatchConstraints
 from knittrans.types import BatchPlan, GroupSpec, MiniBatch, Trajectory
 
@@ -106,7 +106,7 @@ class BatchLedger:
             if g.group_id in self._group_batch:
                 raise AdmissionError(f"group {g.group_id} of batch {plan.batch_id} already belongs to batch "
                                      f"{self._group_batch[g.group_id]}")
-        self.c.check_plan(plan)
+        check_plan(self.c, plan)
         self.batches[plan.batch_id] = BatchState(plan, {g.group_id: GroupState(g) for g in plan.groups})
         self.order.append(plan.batch_id)
         for g in plan.groups:

@@ -37,7 +37,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from knittrans.constraints import BatchConstraints
+from knittrans.constraints import BatchConstraints, ConstraintError
+from knittrans.types import BatchPlan, GroupSpec  # noqa: F401 - GroupSpec: doctest
 
 DEFAULT_NODE_LIMIT = 20_000
 _MAX_DEPTH = 400  # the unit-level search recurses once per unit; Python's default stack allows ~1000 frames
@@ -131,6 +132,30 @@ def solve(units: Sequence[Unit], k: int, c: BatchConstraints, node_limit: int = 
     if not _tokens_bind(units, c, sizes):
         return _solve_counts(units, k, sizes, node_limit, want_witness)
     return _solve_tokens(units, k, c, sizes, node_limit)
+
+
+def check_plan(c: BatchConstraints, plan: BatchPlan) -> None:
+    """Reject a batch plan that no admission could split into ``c.num_minibatches`` valid mini-batches when every
+    response runs to ``max_response_len``: the arithmetic checks of ``BatchConstraints.check_plan`` and, with
+    whole groups, the packing question (reject only on an exact INFEASIBLE, so a plan too large to decide is
+    still accepted). Raises ``ConstraintError`` naming the batch and its group sizes.
+
+        >>> c = BatchConstraints(batch_size=12, num_minibatches=2, max_response_len=4)
+        >>> check_plan(c, BatchPlan(0, tuple(GroupSpec(g, 0, s) for g, s in enumerate([5, 5, 2]))))
+        Traceback (most recent call last):
+        ...
+        knittrans.constraints.ConstraintError: batch 0: its groups (sizes [2, 5, 5]) cannot be split whole into num_minibatches=2 mini-batches with sizes in [6] when every response runs to max_response_len=4 (whole_groups=True)
+    """
+    c.check_plan(plan)
+    if not c.whole_groups:
+        return
+    L = c.max_response_len
+    units = [Unit(g.group_id, g.size, g.size * L, False, i) for i, g in enumerate(plan.groups)]
+    if solve(units, c.num_minibatches, c).verdict is Verdict.INFEASIBLE:
+        raise ConstraintError(
+            f"batch {plan.batch_id}: its groups (sizes {sorted(g.size for g in plan.groups)}) cannot be split whole "
+            f"into num_minibatches={c.num_minibatches} mini-batches with sizes in {c.robust_sizes()} when every "
+            f"response runs to max_response_len={L} (whole_groups=True)")
 
 
 # -- sizes only ------------------------------------------------------------------------------------------------

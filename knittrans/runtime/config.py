@@ -18,17 +18,11 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+from knittrans.types import AdmissionKind, ExecutionMode, SyncPolicy
+
 
 class RuntimeConfigError(ValueError):
     """A runtime config that cannot run (it would deadlock, or a field is out of range)."""
-
-
-class SyncPolicy(str, Enum):
-    """When the trainer's weights reach the rollout engine."""
-
-    EVERY_STEP = "every_step"
-    EVERY_K_STEPS = "every_k_steps"
-    EVERY_BATCH = "every_batch"
 
 
 class OnRolloutError(str, Enum):
@@ -38,19 +32,18 @@ class OnRolloutError(str, Enum):
     FAIL = "fail"
 
 
-MODES = ("colocated", "train_batch", "knittrans", "greedy", "bounded_async")
-# Policies that commit nothing before a whole batch (B trajectories) has completed: their budget must hold it.
-_WHOLE_BATCH_POLICIES = ("train_batch", "bounded_async")
 
 
 @dataclass(frozen=True)
 class RuntimeConfig:
     """One real run: execution mode, batch constraints, sync and flow control."""
 
-    mode: str = "knittrans"
-    """``colocated`` (generate a whole batch, then train its M mini-batches, taking turns), or the admission policy
-    of a disaggregated run (rollout and trainer in separate threads): ``train_batch``, ``knittrans``, ``greedy``,
-    ``bounded_async``."""
+    mode: ExecutionMode = ExecutionMode.DISAGGREGATED
+    """``colocated`` (generate a whole batch, then train its M mini-batches, taking turns) or ``disaggregated``
+    (rollout and trainer concurrently, in separate threads or processes)."""
+    admission: AdmissionKind = AdmissionKind.KNITTRANS
+    """The admission policy of a disaggregated run (the caller builds it: ``baselines.admission.make_policy``).
+    Colocated runs always admit whole batches: their admission is ``train_batch`` whatever is set here."""
     num_batches: int = 4
     """Training batches; the run takes num_batches * num_minibatches optimizer steps."""
     prompts_per_batch: int = 16
@@ -66,7 +59,7 @@ class RuntimeConfig:
     sync: SyncPolicy = SyncPolicy.EVERY_STEP
     """When weights reach the engine (ignored by ``colocated``, which always generates with the newest weights)."""
     sync_every: int = 1
-    """k for ``every_k_steps``."""
+    """k for ``every_k``."""
     inflight_groups: int = 0
     """In-flight budget in groups (dispatched and not yet consumed by a finished step); 0 means one batch (P)."""
     wave_groups: int = 4
@@ -86,8 +79,17 @@ class RuntimeConfig:
     """Prompt stream and sampling seed."""
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise RuntimeConfigError(f"RuntimeConfig.mode must be one of {MODES}, got {self.mode!r}")
+        try:
+            object.__setattr__(self, "mode", ExecutionMode(self.mode))
+            object.__setattr__(self, "admission", AdmissionKind(self.admission))
+        except ValueError as e:
+            raise RuntimeConfigError(f"RuntimeConfig: {e} (modes: {[m.value for m in ExecutionMode]}, admission "
+                                     f"kinds: {[a.value for a in AdmissionKind]})") from None
+        if self.mode is ExecutionMode.COLOCATED:
+            object.__setattr__(self, "admission", AdmissionKind.TRAIN_BATCH)
+        if self.admission is AdmissionKind.CLAIRVOYANT:
+            raise RuntimeConfigError("RuntimeConfig.admission=clairvoyant needs every response's length in advance: "
+                                     "the simulator's bound, not a real run")
         for name in ("num_batches", "prompts_per_batch", "group_size", "num_minibatches", "max_new_tokens",
                      "sync_every", "wave_groups"):
             v = getattr(self, name)
@@ -102,10 +104,11 @@ class RuntimeConfig:
             raise RuntimeConfigError("RuntimeConfig: inflight_groups, rollout_retries and eval_every must be >= 0")
         object.__setattr__(self, "sync", SyncPolicy(self.sync))
         object.__setattr__(self, "on_rollout_error", OnRolloutError(self.on_rollout_error))
-        need = self.prompts_per_batch if self.mode in _WHOLE_BATCH_POLICIES else self.groups_per_minibatch
+        need = self.prompts_per_batch if self.admission.whole_batch else self.groups_per_minibatch
         if self.budget < need:
             raise RuntimeConfigError(
-                f"RuntimeConfig: inflight_groups={self.budget} would deadlock mode {self.mode!r}: it commits nothing "
+                f"RuntimeConfig: inflight_groups={self.budget} would deadlock admission {self.admission.value!r}: it "
+                f"commits nothing "
                 f"until {need} groups have completed, so the budget must be >= {need}")
 
     @property
@@ -124,9 +127,9 @@ class RuntimeConfig:
     @property
     def sync_lag(self) -> int:
         """Most steps the engine's weights can trail the trainer's published version at a wave start."""
-        if self.mode == "colocated" or self.sync is SyncPolicy.EVERY_STEP:
+        if self.mode is ExecutionMode.COLOCATED or self.sync is SyncPolicy.EVERY_STEP:
             return 0
-        if self.sync is SyncPolicy.EVERY_K_STEPS:
+        if self.sync is SyncPolicy.EVERY_K:
             return self.sync_every - 1
         return self.num_minibatches - 1
 
@@ -137,6 +140,18 @@ class RuntimeConfig:
         ``budget`` groups are in flight, and each step consumes ``groups_per_minibatch`` of them, so at most
         ``ceil(budget / groups_per_minibatch)`` steps run between its start and the step that consumes it.
         Colocated: ``M - 1`` (the j-th mini-batch of a batch is j steps stale)."""
-        if self.mode == "colocated":
+        if self.mode is ExecutionMode.COLOCATED:
             return self.num_minibatches - 1
         return math.ceil(self.budget / self.groups_per_minibatch) + self.sync_lag
+
+    @property
+    def system(self) -> str:
+        """The name of this run's system in tables: ``colocated``, or the admission kind of a disaggregated run."""
+        return "colocated" if self.mode is ExecutionMode.COLOCATED else self.admission.value
+
+    @classmethod
+    def for_system(cls, system: str, **kw) -> "RuntimeConfig":
+        """``colocated`` or an admission kind (``knittrans``, ``train_batch`` ...), as tables name systems."""
+        if system == "colocated":
+            return cls(mode=ExecutionMode.COLOCATED, admission=AdmissionKind.TRAIN_BATCH, **kw)
+        return cls(mode=ExecutionMode.DISAGGREGATED, admission=AdmissionKind(system), **kw)

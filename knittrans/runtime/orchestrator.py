@@ -3,8 +3,8 @@
 - ``colocated``: one thread takes turns: load the newest weights, generate a whole batch, train its M
   mini-batches (train-batch admission). Staleness is purely algorithmic: ``j`` for the j-th mini-batch.
 - disaggregated (``train_batch``, ``knittrans``, ``greedy``, ``bounded_async``): a rollout thread generates
-  groups in waves while the trainer (the calling thread) steps; the admission policy (built by
-  ``baselines.admission.make_policy``: one implementation, shared with the simulator) decides which completed
+  groups in waves while the trainer (the calling thread) steps; the admission policy (built by the
+  caller's ``make_policy``, e.g. ``baselines.admission.make_policy``: one implementation, shared with the simulator) decides which completed
   groups each step consumes. Flow control and weight sync follow ``RuntimeConfig``.
 
 Concurrency: one ``threading.Condition`` guards all shared state (dispatch queue, in-flight count, published
@@ -28,21 +28,22 @@ import concurrent.futures
 import threading
 import time
 from collections import deque
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
-from baselines.admission import make_policy
+from knittrans.admission.base import AdmissionPolicy
+from knittrans.admission.minibatch import KnitTransAdmission
 from knittrans.constraints import BatchConstraints
 from knittrans.dataplane.faults import StepLedger
 from knittrans.dataplane.types import MiniBatchKey
-from knittrans.runtime.config import OnRolloutError, RuntimeConfig, SyncPolicy
+from knittrans.runtime.config import OnRolloutError, RuntimeConfig
 from knittrans.runtime.engine import GroupRequest, RolloutEngine, Sample, SamplingConfig
 from knittrans.runtime.faults import (FaultLog, FaultyEngine, GenerationTimeoutError, RuntimeFaultPlan,
                                       TrainerCrashedError)
 from knittrans.runtime.records import RunResult, StepRecord, TrajRecord
 from knittrans.runtime.trainer import GRPOTrainer, TrainItem, group_advantages
-from knittrans.types import BatchPlan, GroupSpec, MiniBatch, Trajectory
+from knittrans.types import AdmissionKind, BatchPlan, ExecutionMode, GroupSpec, MiniBatch, SyncPolicy, Trajectory
 
 
 class RolloutWorkerError(RuntimeError):
@@ -65,11 +66,24 @@ class RLTask(Protocol):
     def reward(self, prompt, response_ids: tuple[int, ...]) -> float: ...
 
 
+PolicyFactory = Callable[[AdmissionKind, BatchConstraints], AdmissionPolicy]
+"""Builds the admission policy of a run from its kind and constraints (``baselines.admission.make_policy`` builds
+every kind; the core itself only knows KnitTrans's)."""
+
+
+def knittrans_policy(kind: AdmissionKind, constraints: BatchConstraints) -> AdmissionPolicy:
+    """The default ``PolicyFactory``: KnitTrans admission; other kinds live in ``baselines`` (pass its
+    ``make_policy``)."""
+    if kind is not AdmissionKind.KNITTRANS:
+        raise ValueError(f"admission {kind.value!r} is a baseline: pass make_policy=baselines.admission.make_policy")
+    return KnitTransAdmission(constraints)
+
+
 class Orchestrator:
-    """Runs one ``RuntimeConfig`` with a trainer, an engine and a task."""
+    """Runs one ``RuntimeConfig`` with a trainer, an engine and a task; ``make_policy`` builds its admission."""
 
     def __init__(self, cfg: RuntimeConfig, trainer: GRPOTrainer, engine: RolloutEngine, task: RLTask,
-                 faults: RuntimeFaultPlan | None = None) -> None:
+                 faults: RuntimeFaultPlan | None = None, make_policy: PolicyFactory = knittrans_policy) -> None:
         self.cfg = cfg
         self.trainer = trainer
         self.faults = faults or RuntimeFaultPlan()
@@ -82,7 +96,7 @@ class Orchestrator:
         self.constraints = BatchConstraints(batch_size=cfg.prompts_per_batch * cfg.group_size,
                                             num_minibatches=cfg.num_minibatches,
                                             max_response_len=cfg.max_new_tokens, group_size=cfg.group_size)
-        self.policy = make_policy(cfg.mode, self.constraints)
+        self.policy = make_policy(cfg.admission, self.constraints)
         self._cv = threading.Condition()
         self._pending: deque[GroupRequest] = deque()
         self._prompts: dict[int, object] = {}
@@ -133,7 +147,7 @@ class Orchestrator:
         if self.cfg.eval_every:
             snapshots[0] = self.trainer.weights()
         try:
-            if self.cfg.mode == "colocated":
+            if self.cfg.mode is ExecutionMode.COLOCATED:
                 self._run_colocated(steps, snapshots)
             else:
                 worker = threading.Thread(target=self._rollout_loop, name="rollout", daemon=True)
@@ -172,7 +186,7 @@ class Orchestrator:
         c = self.cfg
         if c.sync is SyncPolicy.EVERY_STEP:
             return True
-        if c.sync is SyncPolicy.EVERY_K_STEPS:
+        if c.sync is SyncPolicy.EVERY_K:
             return self.trainer.version % c.sync_every == 0
         return mb.index == c.num_minibatches - 1
 
@@ -281,7 +295,7 @@ class Orchestrator:
                 idle = self._generating == 0 and (not self._pending or self._inflight >= self.cfg.budget)
                 if idle:
                     raise RunInvariantError(
-                        f"deadlock: admission {self.cfg.mode!r} commits nothing with {self._inflight} groups in "
+                        f"deadlock: admission {self.cfg.admission.value!r} commits nothing with {self._inflight} groups in "
                         f"flight (budget {self.cfg.budget}) and {len(self._pending)} waiting to be dispatched")
                 self._cv.wait()
 
@@ -298,7 +312,7 @@ class Orchestrator:
             r.v_train, r.t_train_start, r.step = v_train, t_start, len(steps)
             if self.cfg.enforce_staleness_bound and r.staleness > self.cfg.staleness_bound():
                 raise StalenessBoundError(f"trajectory {r.traj_id} has staleness {r.staleness} > bound "
-                                          f"{self.cfg.staleness_bound()} ({self.cfg.mode}, budget {self.cfg.budget})")
+                                          f"{self.cfg.staleness_bound()} ({self.cfg.system}, budget {self.cfg.budget})")
         res = self._step_exactly_once(mb, items, len(steps))
         steps.append(StepRecord(step=len(steps), version=res.version, batch_id=mb.batch_id, minibatch_index=mb.index,
                                 t_start=t_start, t_end=self._now(), step_s=res.step_s, tokens=res.tokens,
@@ -307,7 +321,7 @@ class Orchestrator:
                                 loss=res.loss, kl=res.kl))
         if self.cfg.eval_every and res.version % self.cfg.eval_every == 0:
             snapshots[res.version] = self.trainer.weights()
-        if self.cfg.mode != "colocated" and self._sync_due(mb):
+        if self.cfg.mode is not ExecutionMode.COLOCATED and self._sync_due(mb):
             self._publish()
         with self._cv:
             self._inflight -= len(mb.group_ids)

@@ -21,7 +21,19 @@ from typing import Sequence
 import torch
 
 from knittrans.runtime.engine import Sample
-from workloads.arith import check_reward
+
+
+class RewardError(ValueError):
+    """A reward that is not a finite number (NaN, inf): GRPO advantages would be undefined."""
+
+
+def check_reward(value: float, where: str) -> float:
+    """Return ``value`` as a float, or raise ``RewardError`` naming ``where`` if it is NaN or infinite."""
+    v = float(value)
+    if not math.isfinite(v):
+        raise RewardError(f"non-finite reward {value!r} for {where}; rewards must be finite numbers "
+                          f"(GRPO normalizes them within a group)")
+    return v
 
 
 @dataclass(frozen=True)

@@ -20,18 +20,16 @@ machine is part of the measured times, so it is part of the calibrated model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from knittrans.constraints import BatchConstraints
-from knittrans.sim.config import (EngineConfig, FlowConfig, FlowKind, Inflight, Mode, SimConfig, SyncConfig,
-                                  SyncPolicy, TrainerConfig)
+from knittrans.admission.base import AdmissionPolicy
+from knittrans.sim.config import EngineConfig, FlowConfig, FlowKind, SimConfig, SyncConfig, TrainerConfig
 from knittrans.sim.simulator import simulate
-from knittrans.types import BatchPlan, GroupSpec
-from workloads.text import WorkloadBatch
+from knittrans.types import AdmissionKind, BatchPlan, ExecutionMode, GroupSpec, InflightPolicy, WorkloadBatch
 
-_SYNC = {"every_step": SyncPolicy.EVERY_STEP, "every_k_steps": SyncPolicy.EVERY_K,
-         "every_batch": SyncPolicy.EVERY_BATCH}
 
 
 @dataclass(frozen=True)
@@ -39,14 +37,15 @@ class Calibration:
     sim: SimConfig
     batches: list[WorkloadBatch]
     constraints: BatchConstraints
-    policy: str
+    policy: AdmissionKind
     wave_fit_r2: float
     step_fit_r2: float
 
 
 @dataclass(frozen=True)
 class Comparison:
-    mode: str
+    system: str
+    """``colocated`` or the run's admission kind (``RuntimeConfig.system``)."""
     budget: int
     measured_mean: float
     simulated_mean: float
@@ -119,15 +118,15 @@ def calibrate(run) -> Calibration:
     tr_int = _excess(step_s[s_shared], overhead + per_token * tokens[s_shared])
     timings = run.timings()
     sync_cost = timings.sync_s_mean if np.isfinite(timings.sync_s_mean) else 0.0
-    colocated = cfg.mode == "colocated"
+    colocated = cfg.mode is ExecutionMode.COLOCATED
     sim = SimConfig(
-        mode=Mode.COLOCATED if colocated else Mode.DISAGGREGATED,
+        mode=ExecutionMode.COLOCATED if colocated else ExecutionMode.DISAGGREGATED,
         engine=EngineConfig(num_engines=1, slots=slots, tpot=tpot, load_alpha=alpha, wave_groups=W,
                             interference=0.0 if colocated else eng_int),
         trainer=TrainerConfig(step_overhead=overhead, per_token=per_token,
                               interference=0.0 if colocated else tr_int),
-        sync=SyncConfig(policy=_SYNC[str(cfg.sync.value if hasattr(cfg.sync, "value") else cfg.sync)],
-                        k=cfg.sync_every, cost=sync_cost, inflight=Inflight.CONTINUE),
+        sync=SyncConfig(policy=cfg.sync,
+                        k=cfg.sync_every, cost=sync_cost, inflight=InflightPolicy.CONTINUE),
         flow=FlowConfig(kind=FlowKind.GROUPS, budget_groups=cfg.budget),
         colocated_switch_cost=sync_cost)
     by_batch: dict[int, dict[int, list]] = {}
@@ -140,16 +139,15 @@ def calibrate(run) -> Calibration:
         batches.append(WorkloadBatch(BatchPlan(b, groups), lengths))
     c = BatchConstraints(batch_size=cfg.prompts_per_batch * n, num_minibatches=cfg.num_minibatches,
                          group_size=n, max_response_len=cfg.max_new_tokens)
-    return Calibration(sim, batches, c, "train_batch" if colocated else cfg.mode, r2_wave, r2_step)
+    return Calibration(sim, batches, c, cfg.admission, r2_wave, r2_step)
 
 
-def compare(run) -> Comparison:
-    """Mean staleness measured in ``run`` against the calibrated simulator's for the same settings."""
-    from baselines.admission import make_policy
-
+def compare(run, make_policy: Callable[[AdmissionKind, BatchConstraints], AdmissionPolicy]) -> Comparison:
+    """Mean staleness measured in ``run`` against the calibrated simulator's for the same settings; ``make_policy``
+    builds the run's admission policy (``baselines.admission.make_policy``)."""
     cal = calibrate(run)
     res = simulate(cal.sim, make_policy(cal.policy, cal.constraints), cal.batches)
     measured = run.staleness()
     simulated = res.records.staleness
-    return Comparison(run.config.mode, run.config.budget, float(measured.mean()), float(simulated.mean()),
+    return Comparison(run.config.system, run.config.budget, float(measured.mean()), float(simulated.mean()),
                       float(np.percentile(measured, 99)), float(np.percentile(simulated, 99)), cal)

@@ -11,21 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-
-class SyncPolicy(str, enum.Enum):
-    EVERY_STEP = "every_step"
-    EVERY_K = "every_k"
-    EVERY_BATCH = "every_batch"
-
-
-class Inflight(str, enum.Enum):
-    CONTINUE = "continue"  # in-flight requests finish with the new weights; v_gen stays the oldest version
-    ABORT = "abort"  # in-flight requests restart from scratch with the new weights; their tokens are wasted
-
-
-class Mode(str, enum.Enum):
-    DISAGGREGATED = "disaggregated"  # rollout and trainer on separate resources, running concurrently
-    COLOCATED = "colocated"  # synchronous on shared resources: generate a whole batch, then train it
+from knittrans.types import ExecutionMode, InflightPolicy, SyncPolicy
 
 
 class FlowKind(str, enum.Enum):
@@ -78,7 +64,7 @@ class SyncConfig:
     """With EVERY_K: sync after every k optimizer steps."""
     cost: float = 5.0
     """Seconds both sides pause per sync (weight broadcast)."""
-    inflight: Inflight = Inflight.CONTINUE
+    inflight: InflightPolicy = InflightPolicy.CONTINUE
     """What happens to requests in flight at a sync."""
 
     def __post_init__(self) -> None:
@@ -97,7 +83,7 @@ class FlowConfig:
 
 @dataclass(frozen=True)
 class SimConfig:
-    mode: Mode = Mode.DISAGGREGATED
+    mode: ExecutionMode = ExecutionMode.DISAGGREGATED
     engine: EngineConfig = field(default_factory=EngineConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)

@@ -30,9 +30,8 @@ from typing import Sequence
 import numpy as np
 
 from knittrans.admission.base import AdmissionPolicy, AdmissionStats
-from knittrans.sim.config import FlowKind, Inflight, Mode, SimConfig, SyncPolicy
-from knittrans.types import MiniBatch, Trajectory
-from workloads.text import WorkloadBatch
+from knittrans.sim.config import FlowKind, SimConfig
+from knittrans.types import ExecutionMode, InflightPolicy, MiniBatch, SyncPolicy, Trajectory, WorkloadBatch
 
 
 class SimDeadlock(RuntimeError):
@@ -227,7 +226,7 @@ class Simulator:
     # -- rollout ------------------------------------------------------------------------------------------------
 
     def _flow_allows(self, size: int, batch_idx: int) -> bool:
-        if self.cfg.mode is Mode.COLOCATED:
+        if self.cfg.mode is ExecutionMode.COLOCATED:
             return batch_idx == self.batches_trained and not self.trainer_busy and not self.syncing
         f = self.cfg.flow
         if f.kind is FlowKind.GROUPS:
@@ -377,7 +376,7 @@ class Simulator:
         if last_of_batch:
             self.batches_trained += 1
         s = self.cfg.sync
-        if self.cfg.mode is Mode.COLOCATED:
+        if self.cfg.mode is ExecutionMode.COLOCATED:
             do_sync, cost = last_of_batch, self.cfg.colocated_switch_cost
         else:
             do_sync = (s.policy is SyncPolicy.EVERY_STEP
@@ -404,7 +403,7 @@ class Simulator:
     def _on_sync_done(self) -> None:
         self.syncing = False
         self.engine_version = self.version
-        abort = self.cfg.sync.inflight is Inflight.ABORT and self.cfg.mode is Mode.DISAGGREGATED
+        abort = self.cfg.sync.inflight is InflightPolicy.ABORT and self.cfg.mode is ExecutionMode.DISAGGREGATED
         for e in self.engines:
             e.paused = False
             e.last = self.now

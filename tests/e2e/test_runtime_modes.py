@@ -16,10 +16,11 @@ import torch
 from knittrans.runtime.config import OnRolloutError, RuntimeConfig, SyncPolicy
 from knittrans.runtime.hf_engine import HFRolloutEngine
 from knittrans.runtime.orchestrator import Orchestrator, RolloutWorkerError
-from knittrans.runtime.session import arith_setup, run_mode
+from workloads.arith_session import arith_setup, run_mode
 from knittrans.runtime.trainer import GRPOTrainer
 from workloads.arith import RewardError
 from workloads.tiny_models import WarmStartConfig
+from baselines.admission import make_policy
 
 torch.set_num_threads(1)
 
@@ -46,23 +47,23 @@ def _check(run, cfg):
 @pytest.mark.parametrize("mode,budget", [("colocated", 0), ("train_batch", 4), ("knittrans", 2), ("knittrans", 4),
                                          ("greedy", 2), ("bounded_async", 4)])
 def test_versions_rise_per_step_and_nothing_lost_or_trained_twice(setup, mode, budget):
-    cfg = RuntimeConfig(mode=mode, inflight_groups=budget, **SMALL)
-    run = run_mode(cfg, setup)
+    cfg = RuntimeConfig.for_system(mode, inflight_groups=budget, **SMALL)
+    run = run_mode(cfg, setup, make_policy=make_policy)
     _check(run, cfg)
 
 
 def test_colocated_staleness_is_the_minibatch_index(setup):
-    cfg = RuntimeConfig(mode="colocated", **SMALL)
-    run = run_mode(cfg, setup)
+    cfg = RuntimeConfig.for_system("colocated", **SMALL)
+    run = run_mode(cfg, setup, make_policy=make_policy)
     by_step = {s.step: s.minibatch_index for s in run.steps}
     assert all(t.staleness == by_step[t.step] for t in run.trajectories)
     assert run.staleness_summary()["mean"] == pytest.approx((cfg.num_minibatches - 1) / 2)
 
 
 def test_train_batch_consumes_only_whole_batches_and_is_staler_than_knittrans_at_min_budget(setup):
-    tb = RuntimeConfig(mode="train_batch", inflight_groups=4, **SMALL)
-    kt = RuntimeConfig(mode="knittrans", inflight_groups=2, **SMALL)
-    r_tb, r_kt = run_mode(tb, setup), run_mode(kt, setup)
+    tb = RuntimeConfig.for_system("train_batch", inflight_groups=4, **SMALL)
+    kt = RuntimeConfig.for_system("knittrans", inflight_groups=2, **SMALL)
+    r_tb, r_kt = run_mode(tb, setup, make_policy=make_policy), run_mode(kt, setup, make_policy=make_policy)
     for b in range(tb.num_batches):
         done = max(t.t_complete for t in r_tb.trajectories if t.batch_id == b)
         assert all(t.t_train_start >= done for t in r_tb.trajectories if t.batch_id == b)
@@ -74,8 +75,8 @@ def test_train_batch_consumes_only_whole_batches_and_is_staler_than_knittrans_at
 
 
 def test_sync_every_batch_keeps_engine_version_at_batch_boundaries(setup):
-    cfg = RuntimeConfig(mode="knittrans", inflight_groups=4, sync=SyncPolicy.EVERY_BATCH, **SMALL)
-    run = run_mode(cfg, setup)
+    cfg = RuntimeConfig.for_system("knittrans", inflight_groups=4, sync=SyncPolicy.EVERY_BATCH, **SMALL)
+    run = run_mode(cfg, setup, make_policy=make_policy)
     _check(run, cfg)
     assert {t.v_gen for t in run.trajectories} <= {0, 2, 4}  # versions that end a batch of M=2 steps
 
@@ -102,23 +103,23 @@ def _flaky(setup, fail_calls):
 
 @pytest.mark.parametrize("mode", ["colocated", "knittrans"])
 def test_failed_wave_is_retried_and_no_group_is_lost(setup, mode):
-    cfg = RuntimeConfig(mode=mode, on_rollout_error=OnRolloutError.RETRY, rollout_retries=1, **SMALL)
-    run = run_mode(cfg, setup, engine=_flaky(setup, fail_calls=(2,)))
+    cfg = RuntimeConfig.for_system(mode, on_rollout_error=OnRolloutError.RETRY, rollout_retries=1, **SMALL)
+    run = run_mode(cfg, setup, engine=_flaky(setup, fail_calls=(2,)), make_policy=make_policy)
     _check(run, cfg)
     assert run.rollout_failures == 1
 
 
 @pytest.mark.parametrize("mode", ["colocated", "knittrans", "train_batch"])
 def test_failed_wave_under_fail_policy_fails_the_run_loudly(setup, mode):
-    cfg = RuntimeConfig(mode=mode, on_rollout_error=OnRolloutError.FAIL, **SMALL)
+    cfg = RuntimeConfig.for_system(mode, on_rollout_error=OnRolloutError.FAIL, **SMALL)
     with pytest.raises(RolloutWorkerError, match=r"groups \[1\]"):
-        run_mode(cfg, setup, engine=_flaky(setup, fail_calls=(2,)))
+        run_mode(cfg, setup, engine=_flaky(setup, fail_calls=(2,)), make_policy=make_policy)
 
 
 def test_retries_exhausted_fail_loudly(setup):
-    cfg = RuntimeConfig(mode="knittrans", rollout_retries=2, **SMALL)
+    cfg = RuntimeConfig.for_system("knittrans", rollout_retries=2, **SMALL)
     with pytest.raises(RolloutWorkerError, match="after 3 attempt"):
-        run_mode(cfg, setup, engine=_flaky(setup, fail_calls=(1, 2, 3)))
+        run_mode(cfg, setup, engine=_flaky(setup, fail_calls=(1, 2, 3)), make_policy=make_policy)
 
 
 class NaNRewardTask:
@@ -138,10 +139,10 @@ class NaNRewardTask:
 def test_nan_reward_stops_the_run_with_a_clear_error(setup, mode):
     import copy
 
-    cfg = RuntimeConfig(mode=mode, **SMALL)
+    cfg = RuntimeConfig.for_system(mode, **SMALL)
     model = copy.deepcopy(setup.model)
     orch = Orchestrator(cfg, GRPOTrainer(model, setup.grpo, setup.tokenizer.pad_token_id),
                         HFRolloutEngine(model, setup.tokenizer.eos_token_id, setup.tokenizer.pad_token_id),
-                        NaNRewardTask(setup.task))
+                        NaNRewardTask(setup.task), make_policy=make_policy)
     with pytest.raises(RewardError, match="non-finite reward"):
         orch.run()

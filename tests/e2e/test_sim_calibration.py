@@ -3,9 +3,10 @@
 import pytest
 
 from knittrans.runtime import RuntimeConfig
-from knittrans.runtime.session import arith_setup, run_mode
+from workloads.arith_session import arith_setup, run_mode
 from knittrans.sim.calibrate import calibrate, compare
 from workloads.tiny_models import WarmStartConfig
+from baselines.admission import make_policy
 
 
 @pytest.fixture(scope="module")
@@ -14,12 +15,12 @@ def setup():
 
 
 def _cfg(mode, budget, sync="every_step"):
-    return RuntimeConfig(mode=mode, num_batches=4, prompts_per_batch=16, group_size=4, num_minibatches=4,
+    return RuntimeConfig.for_system(mode, num_batches=4, prompts_per_batch=16, group_size=4, num_minibatches=4,
                          inflight_groups=budget, wave_groups=2, sync=sync)
 
 
 def test_calibration_rebuilds_the_runs_workload_and_settings(setup):
-    run = run_mode(_cfg("knittrans", 8), setup)
+    run = run_mode(_cfg("knittrans", 8), setup, make_policy=make_policy)
     cal = calibrate(run)
     lengths = sorted(int(x) for b in cal.batches for g in b.lengths.values() for x in g)
     assert lengths == sorted(t.num_tokens for t in run.trajectories)
@@ -32,5 +33,5 @@ def test_calibration_rebuilds_the_runs_workload_and_settings(setup):
 def test_simulated_staleness_tracks_the_measured_one(setup, mode, budget):
     # At the minimum budgets the staleness is set by flow control and admission, not by timing noise, so the
     # calibrated replay must agree closely; the full comparison is the sim-vs-real table (python -m repro.simcheck).
-    c = compare(run_mode(_cfg(mode, budget), setup))
+    c = compare(run_mode(_cfg(mode, budget), setup, make_policy=make_policy), make_policy)
     assert c.rel_error <= 0.20, (c.measured_mean, c.simulated_mean)

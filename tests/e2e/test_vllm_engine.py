@@ -19,6 +19,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from knittrans.runtime.engine import GroupRequest, SamplingConfig  # noqa: E402
 from knittrans.runtime.hf_engine import HFRolloutEngine  # noqa: E402
 from knittrans.runtime.vllm_engine import VLLMEngineConfig, VLLMRolloutEngine  # noqa: E402
+from baselines.admission import make_policy  # noqa: E402
 from workloads.arith import ArithTask  # noqa: E402
 from workloads.tiny_models import (TinyPolicyConfig, WarmStartConfig, build_char_tokenizer, build_policy,  # noqa: E402
                                    encode_prompts, save_policy, warm_start)
@@ -72,13 +73,13 @@ def test_vllm_weight_update_takes_effect_and_records_version(env):
 
 def test_orchestrator_runs_knittrans_with_the_vllm_engine(env):
     from knittrans.runtime.config import RuntimeConfig
-    from knittrans.runtime.session import arith_setup, run_mode
+    from workloads.arith_session import arith_setup, run_mode
 
     _, _, engine, _ = env
     setup = arith_setup(seed=1, warm=WarmStartConfig(steps=10))
-    cfg = RuntimeConfig(mode="knittrans", num_batches=2, prompts_per_batch=4, group_size=2, num_minibatches=2,
+    cfg = RuntimeConfig.for_system("knittrans", num_batches=2, prompts_per_batch=4, group_size=2, num_minibatches=2,
                         inflight_groups=2, wave_groups=1)
-    run = run_mode(cfg, setup, engine=engine)
+    run = run_mode(cfg, setup, engine=engine, make_policy=make_policy)
     assert [s.version for s in run.steps] == [1, 2, 3, 4]
     assert all(0 <= t.staleness <= cfg.staleness_bound() for t in run.trajectories)
     assert engine.stats.weight_loads >= 4  # the initial load plus a sync after every step that preceded a wave

@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from knittrans.dataplane import (DataPlaneError, FieldSpec, MiniBatchKey, TrajectoryPayload, TrajectorySchema,
                                  build_inprocess)
 from knittrans.dataplane.faults import CorruptGet, FaultPlan, ProducerBuffer
-from knittrans.dataplane.types import (AlreadyConsumedError, CorruptPayloadError, DataLostError, UnitLostError)
+from knittrans.dataplane.types import (CorruptPayloadError, DataLostError, UnitLostError)
 from knittrans.types import MiniBatch
 
 SCHEMA = TrajectorySchema((FieldSpec("ids", "int64"), FieldSpec("lp", "float32", finite=True)), token_field="ids",

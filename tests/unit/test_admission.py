@@ -50,7 +50,7 @@ def plan_of(batch_id: int, sizes: list[int], first_gid: int = 0) -> BatchPlan:
 UNIFORM = BatchConstraints(batch_size=8, num_minibatches=2, max_response_len=16, group_size=2)
 
 
-@pytest.mark.parametrize("name", ["knittrans", "train_batch", "greedy", "bounded_async", "colocated"])
+@pytest.mark.parametrize("name", ["knittrans", "train_batch", "greedy", "bounded_async"])
 def test_every_policy_finishes_a_simple_batch_in_m_valid_minibatches(name):
     p = make_policy(name, UNIFORM)
     assert isinstance(p, AdmissionPolicy)

@@ -12,8 +12,9 @@ import torch
 from knittrans.runtime.config import RuntimeConfig, RuntimeConfigError
 from knittrans.runtime.faults import RuntimeFaultPlan
 from knittrans.runtime.orchestrator import RolloutWorkerError
-from knittrans.runtime.session import arith_setup, run_mode
+from workloads.arith_session import arith_setup, run_mode
 from workloads.tiny_models import WarmStartConfig
+from baselines.admission import make_policy
 
 torch.set_num_threads(1)
 
@@ -35,15 +36,15 @@ def _nothing_lost_nothing_twice(run, cfg):
 
 @pytest.mark.parametrize("mode", ["knittrans", "colocated"])
 def test_worker_death_mid_group_regenerates_the_group_and_loses_nothing(setup, mode):
-    cfg = RuntimeConfig(mode=mode, inflight_groups=2 if mode != "colocated" else 0, **SMALL)
-    run = run_mode(cfg, setup, faults=RuntimeFaultPlan(kill_worker_groups=(1, 5)))
+    cfg = RuntimeConfig.for_system(mode, inflight_groups=2 if mode != "colocated" else 0, **SMALL)
+    run = run_mode(cfg, setup, faults=RuntimeFaultPlan(kill_worker_groups=(1, 5)), make_policy=make_policy)
     _nothing_lost_nothing_twice(run, cfg)
     assert run.faults_injected == {"worker_death": 2} and run.faults_recovered["regenerated_wave"] == 2
 
 
 def test_straggler_is_abandoned_after_the_timeout_and_regenerated(setup):
-    cfg = RuntimeConfig(mode="knittrans", inflight_groups=2, generation_timeout_s=0.5, **SMALL)
-    run = run_mode(cfg, setup, faults=RuntimeFaultPlan(slow_groups=(2,), slow_s=120.0))
+    cfg = RuntimeConfig.for_system("knittrans", inflight_groups=2, generation_timeout_s=0.5, **SMALL)
+    run = run_mode(cfg, setup, faults=RuntimeFaultPlan(slow_groups=(2,), slow_s=120.0), make_policy=make_policy)
     _nothing_lost_nothing_twice(run, cfg)
     assert run.faults_injected == {"straggler": 1}
     assert run.faults_recovered == {"straggler_abandoned": 1, "regenerated_wave": 1}
@@ -51,16 +52,16 @@ def test_straggler_is_abandoned_after_the_timeout_and_regenerated(setup):
 
 
 def test_straggler_without_retries_fails_loudly_naming_the_groups(setup):
-    cfg = RuntimeConfig(mode="knittrans", inflight_groups=2, generation_timeout_s=0.3, rollout_retries=0, **SMALL)
+    cfg = RuntimeConfig.for_system("knittrans", inflight_groups=2, generation_timeout_s=0.3, rollout_retries=0, **SMALL)
     with pytest.raises(RolloutWorkerError, match=r"groups \[0\].*GenerationTimeoutError"):
-        run_mode(cfg, setup, faults=RuntimeFaultPlan(slow_groups=(0,), slow_s=120.0))
+        run_mode(cfg, setup, faults=RuntimeFaultPlan(slow_groups=(0,), slow_s=120.0), make_policy=make_policy)
 
 
 @pytest.mark.parametrize("after_update", [False, True])
 @pytest.mark.parametrize("mode", ["knittrans", "train_batch"])
 def test_trainer_crash_redelivers_the_minibatch_and_counts_each_step_once(setup, mode, after_update):
-    cfg = RuntimeConfig(mode=mode, inflight_groups=4, **SMALL)
-    run = run_mode(cfg, setup, faults=RuntimeFaultPlan(crash_steps=(1, 2), crash_after_update=after_update))
+    cfg = RuntimeConfig.for_system(mode, inflight_groups=4, **SMALL)
+    run = run_mode(cfg, setup, faults=RuntimeFaultPlan(crash_steps=(1, 2), crash_after_update=after_update), make_policy=make_policy)
     _nothing_lost_nothing_twice(run, cfg)
     assert run.faults_injected == {"trainer_crash": 2} and run.faults_recovered == {"trainer_restart": 2}
 

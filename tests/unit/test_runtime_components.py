@@ -176,16 +176,16 @@ def test_packed_and_padded_layouts_give_the_same_token_logprobs(tok, model):
 
 def test_budget_that_would_deadlock_train_batch_admission_is_rejected():
     with pytest.raises(RuntimeConfigError, match="deadlock"):
-        RuntimeConfig(mode="train_batch", prompts_per_batch=8, num_minibatches=4, inflight_groups=4)
-    RuntimeConfig(mode="knittrans", prompts_per_batch=8, num_minibatches=4, inflight_groups=4)  # fine
+        RuntimeConfig.for_system("train_batch", prompts_per_batch=8, num_minibatches=4, inflight_groups=4)
+    RuntimeConfig.for_system("knittrans", prompts_per_batch=8, num_minibatches=4, inflight_groups=4)  # fine
 
 
 def test_staleness_bound_follows_budget_and_sync_lag():
-    c = RuntimeConfig(mode="knittrans", prompts_per_batch=8, num_minibatches=4, inflight_groups=4)
+    c = RuntimeConfig.for_system("knittrans", prompts_per_batch=8, num_minibatches=4, inflight_groups=4)
     assert c.staleness_bound() == 2
-    c = RuntimeConfig(mode="knittrans", prompts_per_batch=8, num_minibatches=4, inflight_groups=4,
+    c = RuntimeConfig.for_system("knittrans", prompts_per_batch=8, num_minibatches=4, inflight_groups=4,
                       sync=SyncPolicy.EVERY_BATCH)
     assert c.staleness_bound() == 2 + 3
-    assert RuntimeConfig(mode="colocated", num_minibatches=4).staleness_bound() == 3
+    assert RuntimeConfig.for_system("colocated", num_minibatches=4).staleness_bound() == 3
     with pytest.raises(RuntimeConfigError, match="mode"):
-        RuntimeConfig(mode="bogus")
+        RuntimeConfig(admission="bogus")

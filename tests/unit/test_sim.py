@@ -7,7 +7,7 @@ import pytest
 
 from baselines.admission import make_policy
 from knittrans.constraints import BatchConstraints
-from knittrans.sim import (EngineConfig, FlowConfig, FlowKind, Inflight, Mode, SimConfig, SimDeadlock, SyncConfig,
+from knittrans.sim import (EngineConfig, FlowConfig, FlowKind, InflightPolicy, ExecutionMode, SimConfig, SimDeadlock, SyncConfig,
                            SyncPolicy, TrainerConfig, simulate)
 from knittrans.staleness import colocated_mean_staleness, run_metrics
 from workloads.text import generate_batches, small
@@ -22,7 +22,7 @@ def _constraints(wl=WL, **kw):
                             max_response_len=wl.lengths.max_len, **kw)
 
 
-def _run(policy="knittrans", budget=16, mode=Mode.DISAGGREGATED, sync=SyncConfig(), batches=4, seed=0, **cfg_kw):
+def _run(policy="knittrans", budget=16, mode=ExecutionMode.DISAGGREGATED, sync=SyncConfig(), batches=4, seed=0, **cfg_kw):
     b = generate_batches(WL, batches, seed=seed)
     cfg = SimConfig(mode=mode, engine=ENG, trainer=TR, sync=sync,
                     flow=FlowConfig(kind=FlowKind.GROUPS, budget_groups=budget), **cfg_kw)
@@ -58,7 +58,7 @@ def test_version_increases_by_one_per_step_and_staleness_is_nonnegative():
 
 
 def test_colocated_staleness_is_the_minibatch_index():
-    res = _run("colocated", mode=Mode.COLOCATED)
+    res = _run("train_batch", mode=ExecutionMode.COLOCATED)
     r = res.records
     np.testing.assert_array_equal(r.staleness, r.mb_index)
     m = run_metrics(res, warmup_batches=1)
@@ -67,7 +67,7 @@ def test_colocated_staleness_is_the_minibatch_index():
 
 
 def test_colocated_never_generates_while_training():
-    res = _run("colocated", mode=Mode.COLOCATED)
+    res = _run("train_batch", mode=ExecutionMode.COLOCATED)
     r = res.records
     for s in res.steps:
         running = (r.t_start < s.end - 1e-9) & (r.t_complete > s.start + 1e-9)
@@ -98,8 +98,8 @@ def test_every_batch_sync_gives_one_generation_version_per_batch_window():
 
 
 def test_abort_regenerates_with_the_new_version_and_counts_wasted_tokens():
-    cont = _run(budget=32, sync=SyncConfig(inflight=Inflight.CONTINUE, cost=0.1))
-    abort = _run(budget=32, sync=SyncConfig(inflight=Inflight.ABORT, cost=0.1))
+    cont = _run(budget=32, sync=SyncConfig(inflight=InflightPolicy.CONTINUE, cost=0.1))
+    abort = _run(budget=32, sync=SyncConfig(inflight=InflightPolicy.ABORT, cost=0.1))
     assert cont.wasted_tokens == 0 and abort.wasted_tokens > 0
     assert abort.records.staleness.mean() < cont.records.staleness.mean()
 

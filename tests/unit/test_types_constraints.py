@@ -6,6 +6,7 @@ import pytest
 
 from baselines.admission import make_policy
 from knittrans.admission import AdmissionError
+from knittrans.admission.feasibility import check_plan
 from knittrans.constraints import BatchConstraints, ConstraintError
 from knittrans.types import BatchPlan, GroupSpec, Trajectory
 
@@ -148,11 +149,11 @@ def test_plan_whose_whole_groups_cannot_be_split_is_rejected():
     c = BatchConstraints(batch_size=12, num_minibatches=2, max_response_len=4)
     with pytest.raises(ConstraintError, match=r"groups \(sizes \[2, 5, 5\]\) cannot be split whole into "
                                               r"num_minibatches=2"):
-        c.check_plan(plan_of(0, [5, 5, 2]))
-    c.check_plan(plan_of(0, [5, 1, 4, 2]))
+        check_plan(c, plan_of(0, [5, 5, 2]))
+    check_plan(c, plan_of(0, [5, 1, 4, 2]))
     one = BatchConstraints(batch_size=2, num_minibatches=2, max_response_len=1, size_slack=1)
     with pytest.raises(ConstraintError, match=r"cannot be split whole"):
-        one.check_plan(plan_of(0, [2]))
+        check_plan(one, plan_of(0, [2]))
 
 
 def test_plan_that_only_short_responses_could_split_is_rejected():
@@ -160,8 +161,8 @@ def test_plan_that_only_short_responses_could_split_is_rejected():
     c = BatchConstraints(batch_size=6, num_minibatches=2, max_response_len=10, size_slack=1, token_budget=30)
     assert c.robust_sizes() == [2, 3]
     with pytest.raises(ConstraintError, match=r"cannot be split whole"):
-        c.check_plan(plan_of(0, [2, 2, 2]))
-    c.check_plan(plan_of(0, [1, 2, 1, 2]))
+        check_plan(c, plan_of(0, [2, 2, 2]))
+    check_plan(c, plan_of(0, [1, 2, 1, 2]))
 
 
 # -- the ledger: bad trajectories are rejected and nothing is lost --------------------------------------------

@@ -8,8 +8,8 @@ Example::
 
     >>> from knittrans.runtime.config import RuntimeConfig
     >>> setup = arith_setup(seed=0, warm=WarmStartConfig(steps=5))
-    >>> run = run_mode(RuntimeConfig(mode="knittrans", num_batches=2, prompts_per_batch=4, group_size=2,
-    ...                              num_minibatches=2), setup)
+    >>> run = run_mode(RuntimeConfig.for_system("knittrans", num_batches=2, prompts_per_batch=4, group_size=2,
+    ...                                         num_minibatches=2), setup)
     >>> [s.version for s in run.steps]
     [1, 2, 3, 4]
 """
@@ -25,7 +25,7 @@ from knittrans.runtime.config import RuntimeConfig
 from knittrans.runtime.engine import GroupRequest, RolloutEngine, SamplingConfig
 from knittrans.runtime.faults import RuntimeFaultPlan
 from knittrans.runtime.hf_engine import HFRolloutEngine
-from knittrans.runtime.orchestrator import Orchestrator
+from knittrans.runtime.orchestrator import Orchestrator, PolicyFactory, knittrans_policy
 from knittrans.runtime.records import RunResult
 from knittrans.runtime.trainer import GRPOConfig, GRPOTrainer
 from workloads.arith import ArithProblem, ArithRLTask, ArithTask
@@ -55,16 +55,17 @@ def arith_setup(seed: int, policy: TinyPolicyConfig = TinyPolicyConfig(), warm: 
 
 
 def run_mode(cfg: RuntimeConfig, setup: ArithSetup, engine: RolloutEngine | None = None,
-             faults: RuntimeFaultPlan | None = None) -> RunResult:
+             faults: RuntimeFaultPlan | None = None, make_policy: PolicyFactory = knittrans_policy) -> RunResult:
     """One run of ``cfg`` from the setup's weights (copied: the setup is reusable for the next mode), with the
-    faults of ``faults`` injected (docs/reliability.md)."""
+    faults of ``faults`` injected (docs/reliability.md). Baseline admission kinds need
+    ``make_policy=baselines.admission.make_policy``."""
     check_tokenizer_matches(setup.model, setup.tokenizer)
     model = copy.deepcopy(setup.model)
     trainer = GRPOTrainer(model, setup.grpo, pad_token_id=setup.tokenizer.pad_token_id)
     if engine is None:
         engine = HFRolloutEngine(model, eos_token_id=setup.tokenizer.eos_token_id,
                                  pad_token_id=setup.tokenizer.pad_token_id)
-    return Orchestrator(cfg, trainer, engine, setup.task, faults=faults).run()
+    return Orchestrator(cfg, trainer, engine, setup.task, faults=faults, make_policy=make_policy).run()
 
 
 def heldout_problems(task: ArithTask, n: int, seed: int = 987_654_321) -> list[ArithProblem]:
