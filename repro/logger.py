@@ -115,8 +115,11 @@ def make_logger(kind: str, project: str, name: str, out_dir: str | Path,
 def log_results(logger: Logger, results: Any) -> None:
     """Log a repro.results.Results: its rows as a table, claims as metrics, plots, summary.json as artifact."""
     logger.log_rows(f"{results.table}/rows", results.rows)
-    logger.log_rows(f"{results.table}/claims", [c.as_dict() for c in results.claims])
-    metrics = {f"claims/{c.name}": c.measured for c in results.claims if isinstance(c.measured, (int, float))}
+    claims = results.claim_dicts()
+    logger.log_rows(f"{results.table}/claims", claims)
+    if results.trials:
+        logger.log_rows(f"{results.table}/trials", [dict(r.as_dict(), type=type(r).__name__) for r in results.trials])
+    metrics = {f"claims/{c['name']}": c["measured"] for c in claims if isinstance(c["measured"], (int, float))}
     if metrics:
         logger.log_metrics(metrics)
     logger.log_images(results.plots)

@@ -114,6 +114,27 @@ def claims_table(claims: Sequence[Claim]) -> str:
     return markdown_table(rows, ["claim", "paper", "measured", "unit", "holds", "note"])
 
 
+def fmt_measured(d: dict[str, Any]) -> str:
+    """``value [low, high]`` of a verdict dict, or "not measured"."""
+    v = d.get("measured")
+    if v is None:
+        return "not measured"
+    out = format(v, ".3g")
+    if d.get("low") is not None and d.get("high") is not None:
+        out += f" [{d['low']:.3g}, {d['high']:.3g}]"
+    return out
+
+
+def verdicts_table(verdicts: Sequence[Any]) -> str:
+    rows = []
+    for v in verdicts:
+        d = v.as_dict()
+        rows.append({"claim": d["name"], "kind": d["kind"], "paper": d["paper"], "bound": d["bound"] or "",
+                     "measured": fmt_measured(d), "unit": d["unit"], "n": d["n"], "verdict": d["status"],
+                     "note": d["note"]})
+    return markdown_table(rows, ["claim", "kind", "paper", "bound", "measured", "unit", "n", "verdict", "note"])
+
+
 @dataclass
 class Results:
     """Collects one table's claims, rows and plots, then writes them per the contract."""
@@ -125,6 +146,22 @@ class Results:
     plots: list[Path] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     text: str = ""  # free markdown appended to table.md (context, what did not reproduce and why)
+    verdicts: list[Any] = field(default_factory=list)
+    """``repro.spec`` verdicts over this table's logged trial rows (set by ``set_trials``); when present they are
+    the table's claims (``claims`` is the legacy form of tables not yet on the spec)."""
+    trials: list[Any] = field(default_factory=list)
+
+    def set_trials(self, rows: Sequence[Any]) -> None:
+        """This table's typed trial rows: the spec computes every claim from them (``repro.spec.evaluate``)."""
+        from repro.spec import evaluate
+
+        self.trials = list(rows)
+        self.verdicts = evaluate(self.table, self.trials)
+
+    def claim_dicts(self) -> list[dict[str, Any]]:
+        if self.verdicts:
+            return [v.as_dict() for v in self.verdicts]
+        return [c.as_dict() for c in self.claims]
 
     def __post_init__(self) -> None:
         self.out_dir = Path(self.out_dir)
@@ -136,7 +173,7 @@ class Results:
         return p
 
     def summary(self) -> dict[str, Any]:
-        return {"table": self.table, "claims": [c.as_dict() for c in self.claims],
+        return {"table": self.table, "claims": self.claim_dicts(),
                 "rows": _jsonable(self.rows), **_jsonable(self.extra)}
 
     def write(self, config: Any = None, seed: int | None = None, columns: Sequence[str] | None = None) -> dict:
@@ -144,7 +181,8 @@ class Results:
         out = Path(self.out_dir)
         summary = self.summary()
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        md = [f"# {self.table}\n", "## Claims\n", claims_table(self.claims), "\n## Rows\n",
+        md = [f"# {self.table}\n", "## Claims\n", claims_table(self.claims) if not self.verdicts
+              else verdicts_table(self.verdicts), "\n## Rows\n",
               markdown_table(self.rows, columns)]
         if self.plots:
             md += ["\n## Plots\n"] + [f"![{p.stem}]({p.name})\n" for p in self.plots if p.exists()]
@@ -162,5 +200,9 @@ class Results:
                                             else config), indent=2)
             (out / "config.yaml").write_text(text)
         (out / "meta.json").write_text(json.dumps(_jsonable(run_metadata(seed)), indent=2) + "\n")
+        if self.trials:
+            from repro.trials import write_trials
+
+            write_trials(out, self.table, self.trials, config)
         print(json.dumps(summary), flush=True)
         return summary

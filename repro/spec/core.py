@@ -1,0 +1,222 @@
+"""The contract's vocabulary: trial rows, claims, bounds, measurements, verdicts.
+
+Every table writes typed **trial rows** (one frozen dataclass per table, registered with ``@trial``) to
+``results/<table>/trials.jsonl`` (``repro.trials``). Every claim is a **pure function of trial rows** with its
+metric's definition and, for a target claim, a **pre-registered bound**, written here before any run. Verdicts are
+computed from logged rows by ``evaluate`` and nothing else: a table script never decides whether a claim holds,
+and ``report``, ``gate`` and the README's results table read verdicts only from here.
+
+Two kinds of claim:
+
+- ``TARGET``: the paper's number (or our pre-registered target); carries a verdict and is counted in the report.
+- ``MEASUREMENT``: reported for context (a bytes ratio, an in-process variant); never a verdict, never counted.
+
+Example::
+
+    >>> @trial("demo")
+    ... @dataclass(frozen=True)
+    ... class DemoTrial(Trial):
+    ...     ratio: float
+    >>> c = Claim("demo_ratio", "demo", ClaimKind.TARGET, paper=">= 2", unit="x", definition="a ratio",
+    ...           measure=lambda rows: median_range([r.ratio for r in rows]), bound=Bound(">=", 2.0))
+    >>> v = c.evaluate([DemoTrial(seed=0, ratio=1.5), DemoTrial(seed=1, ratio=2.5), DemoTrial(seed=2, ratio=3.0)])
+    >>> v.status.value, v.measured.value, (v.measured.low, v.measured.high)
+    ('holds', 2.5, (1.5, 3.0))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Callable, ClassVar, Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Trial:
+    """Base of every trial row: one measured unit of a table (a seed, a pass, a sweep point). Subclasses add the
+    table's fields; ``TABLE`` is set by ``@trial``."""
+
+    TABLE: ClassVar[str] = ""
+    seed: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+TRIAL_TYPES: dict[str, type[Trial]] = {}
+
+
+def trial(table: str) -> Callable[[type[Trial]], type[Trial]]:
+    """Register a trial-row class for ``table`` (one per table; the name is how trials.jsonl stores it)."""
+
+    def register(cls: type[Trial]) -> type[Trial]:
+        if not (dataclasses.is_dataclass(cls) and issubclass(cls, Trial)):
+            raise TypeError(f"@trial({table!r}) needs a dataclass subclass of Trial, got {cls!r}")
+        if cls.__name__ in TRIAL_TYPES and TRIAL_TYPES[cls.__name__] is not cls:
+            raise TypeError(f"two trial-row classes are named {cls.__name__}")
+        cls.TABLE = table
+        TRIAL_TYPES[cls.__name__] = cls
+        return cls
+
+    return register
+
+
+def row_from_dict(type_name: str, data: dict[str, Any]) -> Trial:
+    """Rebuild a logged row. Unknown fields are an error (a log from another version of the spec)."""
+    cls = TRIAL_TYPES.get(type_name)
+    if cls is None:
+        raise ValueError(f"unknown trial-row type {type_name!r} (known: {sorted(TRIAL_TYPES)})")
+    names = {f.name for f in dataclasses.fields(cls)}
+    extra = set(data) - names
+    if extra:
+        raise ValueError(f"{type_name}: logged fields {sorted(extra)} are not in the spec's row type")
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            v = data[f.name]
+            kw[f.name] = tuple(v) if isinstance(v, list) else v
+    return cls(**kw)
+
+
+class ClaimKind(str, Enum):
+    TARGET = "target"
+    MEASUREMENT = "measurement"
+
+
+_OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt, "==": operator.eq}
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A pre-registered threshold: the claim holds iff ``measured <op> value``."""
+
+    op: str
+    value: float
+
+    def __post_init__(self) -> None:
+        if self.op not in _OPS:
+            raise ValueError(f"Bound.op must be one of {sorted(_OPS)}, got {self.op!r}")
+
+    def holds(self, x: float) -> bool:
+        return bool(_OPS[self.op](x, self.value))
+
+    def __str__(self) -> str:
+        return f"{self.op} {self.value:g}"
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A claim's value over its rows: ``value`` decides; ``[low, high]`` is its spread (``spread`` says which:
+    min-max over passes or seeds, or a confidence interval); ``n`` how many trials it summarizes. ``value`` None:
+    not measured (the rows it needs are absent), with the reason in ``note``."""
+
+    value: float | None
+    low: float | None = None
+    high: float | None = None
+    n: int = 0
+    spread: str = ""
+    note: str = ""
+
+    @property
+    def measured(self) -> bool:
+        return self.value is not None and math.isfinite(self.value)
+
+
+def not_measured(why: str) -> Measured:
+    return Measured(None, note=why)
+
+
+class Status(str, Enum):
+    HOLDS = "holds"
+    FAILS = "fails"
+    NOT_MEASURED = "not measured"
+    INFO = "info"  # a measurement claim: no verdict
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One claim: what is measured (``definition``, with the metric's range), how (``measure``: a pure function of
+    the table's trial rows), and, for a target, the bound that decides it (fixed before the run)."""
+
+    name: str
+    table: str
+    kind: ClaimKind
+    paper: str
+    """The paper's statement of the number (or "(ours)" for a target of our own)."""
+    unit: str
+    definition: str
+    measure: Callable[[Sequence[Trial]], Measured]
+    bound: Bound | None = None
+    gate: Bound | None = None
+    """The CI gate's bound on the same measure over gate-size rows (looser where the CI size is noisier); None:
+    the claim has no gate."""
+    comparison: str = ""
+    """What the compared arms share (budget, throughput match, data): the one thing that changes, stated."""
+
+    def __post_init__(self) -> None:
+        if self.kind is ClaimKind.TARGET and self.bound is None:
+            raise ValueError(f"target claim {self.name} needs a pre-registered bound")
+        if self.kind is ClaimKind.MEASUREMENT and self.bound is not None:
+            raise ValueError(f"measurement {self.name} carries no verdict: drop its bound")
+
+    def evaluate(self, rows: Sequence[Trial], bound: Bound | None = None) -> "Verdict":
+        """The verdict over ``rows`` (this table's rows only), against ``bound`` (default: the claim's own)."""
+        mine = [r for r in rows if r.TABLE == self.table]
+        m = self.measure(mine) if mine else not_measured(f"no {self.table} trials logged")
+        bound = bound or self.bound
+        if self.kind is ClaimKind.MEASUREMENT:
+            return Verdict(self, m, Status.INFO)
+        if not m.measured:
+            return Verdict(self, m, Status.NOT_MEASURED)
+        assert bound is not None
+        return Verdict(self, m, Status.HOLDS if bound.holds(float(m.value)) else Status.FAILS)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    claim: Claim
+    measured: Measured
+    status: Status
+
+    def as_dict(self) -> dict[str, Any]:
+        c, m = self.claim, self.measured
+        return {"name": c.name, "table": c.table, "kind": c.kind.value, "paper": c.paper, "unit": c.unit,
+                "bound": str(c.bound) if c.bound else None, "measured": _num(m.value), "low": _num(m.low),
+                "high": _num(m.high), "n": m.n, "spread": m.spread, "status": self.status.value,
+                "holds": {Status.HOLDS: True, Status.FAILS: False}.get(self.status), "note": m.note,
+                "definition": c.definition, "comparison": c.comparison}
+
+
+def _num(v: float | None) -> float | None:
+    return None if v is None or not math.isfinite(v) else float(v)
+
+
+# -- statistics shared by claims ---------------------------------------------------------------------------------
+
+
+def median_range(values: Sequence[float], note: str = "") -> Measured:
+    """Median with [min, max] (timings: decide on the median of repeated, interleaved passes, never the best)."""
+    xs = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    if not xs:
+        return not_measured(note or "no finite values")
+    return Measured(float(np.median(xs)), min(xs), max(xs), len(xs), "min-max", note)
+
+
+def paired_mean_ci(diffs: Sequence[float], note: str = "", level: float = 0.95) -> Measured:
+    """Mean of paired differences (one per seed) with a Student-t interval (``ddof=1``); with fewer than two
+    pairs there is no interval."""
+    d = np.asarray([float(x) for x in diffs], dtype=float)
+    if d.size == 0:
+        return not_measured(note or "no pairs")
+    if d.size == 1:
+        return Measured(float(d[0]), None, None, 1, "", note)
+    from scipy import stats
+
+    half = float(stats.t.ppf(0.5 + level / 2, d.size - 1) * d.std(ddof=1) / math.sqrt(d.size))
+    mean = float(d.mean())
+    return Measured(mean, mean - half, mean + half, int(d.size), f"{level:.0%} t-interval", note)
