@@ -35,6 +35,14 @@ def claims(table: str | None = None) -> list[Claim]:
     return out
 
 
+def gate_modules() -> dict[str, str]:
+    """Spec table -> the repro module whose ``gate_trials()`` runs it at CI size (each table module's ``GATES``)."""
+    out: dict[str, str] = {}
+    for name in _TABLE_MODULES:
+        out.update(getattr(importlib.import_module(f"repro.spec.{name}"), "GATES", {}))
+    return out
+
+
 def tables() -> list[str]:
     return list(dict.fromkeys(c.table for c in claims()))
 
@@ -54,4 +62,4 @@ def evaluate_dir(results_dir: str | Path) -> dict[str, list[Verdict]]:
 
 
 __all__ = ["Bound", "Claim", "ClaimKind", "Measured", "Status", "Trial", "Verdict", "claims", "evaluate",
-           "evaluate_dir", "median_range", "not_measured", "paired_mean_ci", "tables", "trial"]
+           "evaluate_dir", "gate_modules", "median_range", "not_measured", "paired_mean_ci", "tables", "trial"]
