@@ -19,14 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from knittrans.dataplane.types import FieldSpec, TrajectoryPayload, TrajectorySchema
+from knittrans.dataplane.types import TEXT_SCHEMA, TrajectoryPayload
 from knittrans.types import BatchPlan, GroupSpec, MiniBatch
-
-TEXT_SCHEMA = TrajectorySchema(
-    fields=(FieldSpec("input_ids", "int64"), FieldSpec("old_logprobs", "float32"),
-            FieldSpec("advantages", "float32"), FieldSpec("loss_mask", "bool")),
-    token_field="input_ids")
-"""The per-trajectory fields of a text trajectory (all ragged; ``input_ids`` counts tokens)."""
 
 RESPONSE_FIELDS = ("old_logprobs", "advantages", "loss_mask")
 

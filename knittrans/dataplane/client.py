@@ -132,7 +132,7 @@ def pack_share(loc: ShareLocation, chunks: Sequence[UnitChunk], schema: Trajecto
             tensor = tensor.pin_memory()
         out[name] = PackedField(name, tensor, cu)
     return PackedShare(key=loc.key, rank=loc.rank, traj_ids=loc.traj_ids, fields=out, nbytes=loc.nbytes,
-                       num_tokens=tokens)
+                       num_tokens=tokens, seq=loc.seq, group_ids=loc.group_ids)
 
 
 @dataclass

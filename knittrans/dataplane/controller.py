@@ -11,6 +11,14 @@ polling), which is how a prefetcher learns of the next mini-batch the moment it 
 
 Every method validates its whole request before it changes anything.
 
+Admission (``knittrans.handoff``): given an ``AdmissionPolicy``, the controller is also where admission runs. A
+batch is announced with ``add_batch``; each put that carries a trajectory's ``meta`` completes it and hands it to
+the policy, and every mini-batch the policy then commits is admitted at once, in order -- so mini-batches are
+decided as trajectories complete, next to the metadata they need, on every transport. ``seal`` says no more
+batches will come: a wait for a mini-batch beyond the last announced one then ends (``EndOfStream``) instead of
+blocking. Versions: mini-batches are trained one optimizer step each, in admission order, so the ``seq``-th
+admitted mini-batch is trained at policy version ``seq`` (``v_train``), and ``version`` counts released ones.
+
 Faults (``knittrans.dataplane.faults``, docs/reliability.md): ``lose_unit`` marks every trajectory the unit held
 that is still needed as *missing* (its metadata -- token count, admission -- is kept; its fields are gone); a claim
 touching a missing trajectory raises ``DataLostError`` (``claim_next`` waits for the re-put instead), so a share
@@ -22,15 +30,19 @@ is never handed out partially. A re-put (to any live unit) restores it. ``unclai
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from knittrans.dataplane.assign import ShareItem, assign_shares
 from knittrans.dataplane.types import (AdmissionStateError, AdmittedMiniBatch, AlreadyConsumedError,
-                                       DataLostError, DataPlaneClosedError, DuplicatePutError,
+                                       DataLostError, DataPlaneClosedError, DuplicatePutError, EndOfStream,
                                        FieldNotProducedError, MiniBatchKey, PutRecord, ShareLocation,
                                        TrajectorySchema, UnknownMiniBatchError)
-from knittrans.types import MiniBatch
+from knittrans.types import BatchPlan, MiniBatch, Trajectory
+
+if TYPE_CHECKING:  # the admission package is only needed when a policy is passed in
+    from knittrans.admission.base import AdmissionPolicy
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,8 @@ class _TrajState:
     num_tokens: int | None = None
     admitted_in: MiniBatchKey | None = None
     checksums: dict[str, int] = field(default_factory=dict)  # produced field -> producer's checksum
+    meta: Trajectory | None = None  # admission metadata, once the completing put arrived
+    t_complete: float = 0.0  # when the completing put registered (seconds since the controller started)
 
 
 @dataclass
@@ -64,6 +78,7 @@ class _MiniBatchState:
     claimed: set[tuple[int, str]] = field(default_factory=set)  # (rank, field)
     acked: set[tuple[int, str]] = field(default_factory=set)
     released: bool = False
+    t_admit: float = 0.0  # seconds since the controller started
 
 
 @dataclass(frozen=True)
@@ -76,14 +91,46 @@ class ControllerStats:
     released_minibatches: int
     missing: int = 0  # trajectories lost with a unit and not re-put yet
     units_lost: int = 0
+    completed: int = 0  # trajectories whose completing put (with meta) arrived
+    planned_minibatches: int = 0  # M per announced batch
+
+
+@dataclass(frozen=True)
+class HandoffRecord:
+    """One trajectory's versions and times through the handoff (seconds since the controller started).
+    ``v_train`` is the policy version of the step that trains it (its mini-batch's admission order); staleness
+    ``v_train - v_gen`` (``knittrans.types``)."""
+
+    traj_id: int
+    group_id: int
+    batch_id: int
+    num_tokens: int
+    v_gen: int
+    v_train: int
+    t_complete: float
+    t_admit: float
+    released: bool
+
+    @property
+    def staleness(self) -> int:
+        return self.v_train - self.v_gen
 
 
 class Controller:
     """Metadata of one data plane. ``unit_nodes`` maps each storage unit id to its node."""
 
-    def __init__(self, schema: TrajectorySchema, unit_nodes: Mapping[str, str], config: ControllerConfig) -> None:
+    def __init__(self, schema: TrajectorySchema, unit_nodes: Mapping[str, str], config: ControllerConfig,
+                 policy: "AdmissionPolicy | None" = None) -> None:
         if not unit_nodes:
             raise ValueError("Controller needs at least one storage unit")
+        self.policy = policy
+        self._groups: dict[int, tuple[int, int]] = {}  # announced group -> (batch, declared size)
+        self._arrived: dict[int, int] = {}  # group -> completed trajectories
+        self._planned = 0  # mini-batches announced (M per batch)
+        self._completed = 0
+        self._sealed = False
+        self._failure: BaseException | None = None  # an admission failure: every waiter re-raises it
+        self._t0 = time.perf_counter()
         self.schema = schema
         self.unit_nodes = dict(unit_nodes)
         self.config = config
@@ -136,6 +183,7 @@ class Controller:
                         raise DuplicatePutError(f"field {fm.name!r} of trajectory {r.traj_id} was already "
                                                 f"produced (each field is produced exactly once)")
                     seen.add((r.traj_id, fm.name))
+            completing = self._check_completions([r for r in records if r.traj_id not in skip])
             for r in records:
                 if r.traj_id in skip:
                     continue
@@ -149,43 +197,133 @@ class Controller:
                 st.checksums.update({fm.name: fm.checksum for fm in r.fields if fm.checksum is not None})
                 if r.num_tokens is not None:
                     st.num_tokens = r.num_tokens
+            self._registered_locked(records)
+            for r in completing:
+                self._complete_locked(r)
+            if completing:
+                self._admit_ready_locked()
             if records:
                 self._cv.notify_all()  # a re-put may complete a share that claim_next waits for
             return tuple(sorted(skip))
+
+    # -- admission (with a policy) ---------------------------------------------------------------------------
+
+    def add_batch(self, plan: BatchPlan) -> None:
+        """Announce training batch ``plan`` to the admission policy (batches train in the order announced)."""
+        with self._cv:
+            if self.policy is None:
+                raise AdmissionStateError("add_batch needs a controller built with an admission policy")
+            if self._closed or self._sealed:
+                raise DataPlaneClosedError("the handoff is closed or sealed: no more batches")
+            self.policy.add_batch(plan)  # validates the plan (AdmissionError) before anything changes
+            for g in plan.groups:
+                self._groups[g.group_id] = (plan.batch_id, g.size)
+            self._planned += self.policy.constraints.num_minibatches
+            self._admit_ready_locked()
+
+    def seal(self) -> None:
+        """No batch will be announced after this one: waits beyond the last mini-batch end (``EndOfStream``)."""
+        with self._cv:
+            self._sealed = True
+            self._cv.notify_all()
+
+    def _check_completions(self, records: Sequence[PutRecord]) -> list[PutRecord]:
+        """The records whose put completes a trajectory (it carries ``meta``), validated against the announced
+        batches before anything changes (lock held). Without a policy, metadata is ignored."""
+        done = [r for r in records if r.meta is not None]
+        if not done or self.policy is None:
+            return []
+        L = self.policy.constraints.max_response_len
+        extra: dict[int, int] = {}
+        ids: set[int] = set()
+        for r in done:
+            m = r.meta
+            if not isinstance(m, Trajectory) or m.traj_id != r.traj_id:
+                raise AdmissionStateError(f"put of trajectory {r.traj_id} carries metadata of "
+                                          f"{getattr(m, 'traj_id', type(m).__name__)!r}")
+            st = self._trajs.get(r.traj_id)
+            if (st is not None and st.meta is not None) or r.traj_id in ids:
+                raise DuplicatePutError(f"trajectory {r.traj_id} was already completed (its metadata arrived "
+                                        f"before)")
+            ids.add(r.traj_id)
+            if m.group_id not in self._groups or self._groups[m.group_id][0] != m.batch_id:
+                raise AdmissionStateError(f"trajectory {r.traj_id}: group {m.group_id} of batch {m.batch_id} was "
+                                          f"never announced (add_batch first)")
+            extra[m.group_id] = extra.get(m.group_id, 0) + 1
+            size = self._groups[m.group_id][1]
+            if self._arrived.get(m.group_id, 0) + extra[m.group_id] > size:
+                raise AdmissionStateError(f"trajectory {r.traj_id}: group {m.group_id} already has its declared "
+                                          f"{size} trajectories")
+            if m.num_tokens > L:
+                raise AdmissionStateError(f"trajectory {r.traj_id}: num_tokens={m.num_tokens} exceeds "
+                                          f"max_response_len={L}")
+        return done
+
+    def _registered_locked(self, records: Sequence[PutRecord]) -> None:
+        """Hook: ``records`` were just registered, before any admission they trigger (lock held)."""
+
+    def _complete_locked(self, r: PutRecord) -> None:
+        assert self.policy is not None and r.meta is not None
+        st = self._trajs[r.traj_id]
+        st.meta, st.t_complete = r.meta, time.perf_counter() - self._t0
+        self._arrived[r.meta.group_id] = self._arrived.get(r.meta.group_id, 0) + 1
+        self._completed += 1
+        self.policy.on_complete(r.meta)
+
+    def _admit_ready_locked(self) -> None:
+        """Admit every mini-batch the policy commits now (it is asked until it commits nothing). A policy that
+        fails (a batch it cannot split) fails the handoff: every waiter re-raises the error."""
+        assert self.policy is not None
+        try:
+            while mbs := self.policy.on_trainer_ready(time.perf_counter() - self._t0):
+                for mb in mbs:
+                    self._admit_locked(mb)
+        except Exception as e:  # noqa: BLE001 - stored for every waiter, then re-raised to this caller
+            self._failure = e
+            self._cv.notify_all()
+            raise
 
     # -- admission -------------------------------------------------------------------------------------------
 
     def admit(self, mb: MiniBatch) -> AdmittedMiniBatch:
         """Admit a mini-batch (the admission policy committed it) and split it into per-rank shares."""
-        key = MiniBatchKey(mb.batch_id, mb.index)
         with self._cv:
-            if self._closed:
-                raise DataPlaneClosedError("controller is closed")
-            if key in self._mbs:
-                raise AdmissionStateError(f"mini-batch {key} was already admitted")
-            if len(set(mb.traj_ids)) != len(mb.traj_ids):
-                raise AdmissionStateError(f"mini-batch {key} lists a trajectory twice: {mb.traj_ids}")
-            items = []
-            for t in mb.traj_ids:
-                st = self._trajs.get(t)
-                if st is None or st.num_tokens is None:
-                    raise AdmissionStateError(f"mini-batch {key}: trajectory {t} was never put (its token field "
-                                              f"{self.schema.token_field!r} is unknown)")
-                if st.admitted_in is not None:
-                    raise AdmissionStateError(f"mini-batch {key}: trajectory {t} is already in {st.admitted_in}")
-                items.append(ShareItem(t, st.num_tokens, self.unit_nodes.get(st.unit_id or "", "")))  # missing: no node
-            shares = self._assign(items, mb)
-            tokens = tuple(sum(self._trajs[t].num_tokens or 0 for t in s) for s in shares)
-            local = sum(1 for r, s in enumerate(shares) for t in s
-                        if self.unit_nodes.get(self._trajs[t].unit_id or "") == self.config.rank_nodes[r])
-            adm = AdmittedMiniBatch(key=key, seq=len(self._log), traj_ids=tuple(mb.traj_ids), shares=shares,
-                                    share_tokens=tokens, local_fraction=local / max(1, len(items)))
-            for t in mb.traj_ids:
-                self._trajs[t].admitted_in = key
-            self._mbs[key] = _MiniBatchState(adm)
-            self._log.append(key)
-            self._cv.notify_all()
-            return adm
+            if self.policy is not None:
+                raise AdmissionStateError("this controller admits through its own policy; admit() is for a "
+                                          "controller without one")
+            return self._admit_locked(mb)
+
+    def _admit_locked(self, mb: MiniBatch) -> AdmittedMiniBatch:
+        """Validate and admit ``mb`` (lock held)."""
+        key = MiniBatchKey(mb.batch_id, mb.index)
+        if self._closed:
+            raise DataPlaneClosedError("controller is closed")
+        if key in self._mbs:
+            raise AdmissionStateError(f"mini-batch {key} was already admitted")
+        if len(set(mb.traj_ids)) != len(mb.traj_ids):
+            raise AdmissionStateError(f"mini-batch {key} lists a trajectory twice: {mb.traj_ids}")
+        items = []
+        for t in mb.traj_ids:
+            st = self._trajs.get(t)
+            if st is None or st.num_tokens is None:
+                raise AdmissionStateError(f"mini-batch {key}: trajectory {t} was never put (its token field "
+                                          f"{self.schema.token_field!r} is unknown)")
+            if st.admitted_in is not None:
+                raise AdmissionStateError(f"mini-batch {key}: trajectory {t} is already in {st.admitted_in}")
+            items.append(ShareItem(t, st.num_tokens, self.unit_nodes.get(st.unit_id or "", "")))  # missing: no node
+        shares = self._assign(items, mb)
+        tokens = tuple(sum(self._trajs[t].num_tokens or 0 for t in s) for s in shares)
+        local = sum(1 for r, s in enumerate(shares) for t in s
+                    if self.unit_nodes.get(self._trajs[t].unit_id or "") == self.config.rank_nodes[r])
+        adm = AdmittedMiniBatch(key=key, seq=len(self._log), traj_ids=tuple(mb.traj_ids), shares=shares,
+                                share_tokens=tokens, local_fraction=local / max(1, len(items)),
+                                group_ids=tuple(mb.group_ids))
+        for t in mb.traj_ids:
+            self._trajs[t].admitted_in = key
+        self._mbs[key] = _MiniBatchState(adm, t_admit=time.perf_counter() - self._t0)
+        self._log.append(key)
+        self._cv.notify_all()
+        return adm
 
     def _assign(self, items: Sequence[ShareItem], mb: MiniBatch) -> tuple[tuple[int, ...], ...]:
         """Split an admitted mini-batch into per-rank shares (lock held). A subclass may refine it, e.g.
@@ -196,13 +334,21 @@ class Controller:
         """The ``seq``-th admitted mini-batch, waiting until it is admitted. Raises ``TimeoutError`` after
         ``timeout`` seconds, ``DataPlaneClosedError`` if the controller closes first."""
         with self._cv:
-            ok = self._cv.wait_for(lambda: self._closed or len(self._log) > seq, timeout=timeout)
+            ok = self._cv.wait_for(lambda: (self._closed or len(self._log) > seq or self._failure is not None
+                                            or self._ended(seq)), timeout=timeout)
             if len(self._log) > seq:
                 return self._mbs[self._log[seq]].admitted
+            if self._failure is not None:
+                raise self._failure
+            if self._ended(seq):
+                raise EndOfStream(f"the stream is sealed after {self._planned} mini-batches: there is no #{seq}")
             if self._closed:
                 raise DataPlaneClosedError(f"controller closed before mini-batch #{seq} was admitted")
             assert not ok
             raise TimeoutError(f"no mini-batch #{seq} admitted within {timeout} s")
+
+    def _ended(self, seq: int) -> bool:
+        return self._sealed and self.policy is not None and seq >= self._planned
 
     def admitted(self, key: MiniBatchKey) -> AdmittedMiniBatch:
         with self._cv:
@@ -252,7 +398,8 @@ class Controller:
                 sums = tuple(tuple(self._trajs[t].checksums.get(name) for t in traj_ids) for name in fields)
             return ShareLocation(key=key, rank=rank, traj_ids=traj_ids,
                                  unit_ids=tuple(self._trajs[t].unit_id or "" for t in traj_ids),
-                                 fields=tuple(fields), nbytes=nbytes, checksums=sums)
+                                 fields=tuple(fields), nbytes=nbytes, checksums=sums, seq=st.admitted.seq,
+                                 group_ids=st.admitted.group_ids)
 
     def claim_next(self, seq: int, rank: int, fields: Sequence[str], timeout: float | None = None) -> ShareLocation:
         """Wait for the ``seq``-th admitted mini-batch, then claim rank ``rank``'s share of it (one round trip
@@ -406,4 +553,40 @@ class Controller:
     def stats(self) -> ControllerStats:
         with self._cv:
             return ControllerStats(len(self._trajs), len(self._log), self._claims, self._released,
-                                   len(self._missing), self._units_lost)
+                                   len(self._missing), self._units_lost, self._completed, self._planned)
+
+    # -- versions and records --------------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """Optimizer steps completed: mini-batches every rank has acknowledged (released), in admission order."""
+        with self._cv:
+            return self._released
+
+    def wait_version(self, version: int, timeout: float | None = None) -> int:
+        """Wait until ``version`` steps are complete (a rollout worker that syncs weights every k steps waits
+        here); returns the version. ``TimeoutError`` after ``timeout`` s; an admission failure re-raises."""
+        with self._cv:
+            ok = self._cv.wait_for(lambda: self._closed or self._failure is not None or self._released >= version,
+                                   timeout=timeout)
+            if self._released >= version:
+                return self._released
+            if self._failure is not None:
+                raise self._failure
+            if self._closed:
+                raise DataPlaneClosedError(f"controller closed at version {self._released} < {version}")
+            assert not ok
+            raise TimeoutError(f"version {version} not reached within {timeout} s (at {self._released})")
+
+    def records(self) -> list[HandoffRecord]:
+        """Every admitted trajectory that carried metadata, with ``v_gen``, ``v_train`` and its times, by id."""
+        with self._cv:
+            out = []
+            for t, st in sorted(self._trajs.items()):
+                if st.meta is None or st.admitted_in is None:
+                    continue
+                mb = self._mbs[st.admitted_in]
+                m = st.meta
+                out.append(HandoffRecord(t, m.group_id, m.batch_id, m.num_tokens, m.v_gen, mb.admitted.seq,
+                                         st.t_complete, mb.t_admit, mb.released))
+            return out

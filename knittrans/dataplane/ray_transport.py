@@ -20,20 +20,22 @@ other node string is a logical label (one machine, several "nodes"), which is ho
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 import ray
 
 from knittrans.dataplane.client import DataPlaneClient, PrepareConfig
-from knittrans.dataplane.controller import Controller, ControllerConfig, ControllerStats
+from knittrans.dataplane.controller import Controller, ControllerConfig, ControllerStats, HandoffRecord
 from knittrans.dataplane.storage import StorageUnit, UnitStats
 from knittrans.dataplane.types import (AdmittedMiniBatch, DataPlaneClosedError, DataPlaneError, MiniBatchKey,
                                        PutRecord, ShareLocation, TrajectoryPayload, TrajectorySchema, UnitChunk,
                                        UnitLostError)
-from knittrans.types import MiniBatch
+from knittrans.types import BatchPlan, MiniBatch
 
 if TYPE_CHECKING:
+    from knittrans.admission.base import AdmissionPolicy
     from knittrans.dataplane.faults import FaultPlan
 
 
@@ -80,9 +82,12 @@ class ControllerActor:
 
     def __init__(self, schema: TrajectorySchema, unit_nodes: Mapping[str, str], config: ControllerConfig,
                  unit_actors: Mapping[str, "ray.actor.ActorHandle"],
-                 controller_cls: type[Controller] = Controller) -> None:  # a subclass: knittrans.mmdedup.plane
-        self.ctrl = controller_cls(schema, unit_nodes, config)
+                 controller_cls: type[Controller] = Controller,  # a subclass: knittrans.mmdedup.plane
+                 policy: "AdmissionPolicy | None" = None) -> None:
+        self.ctrl = controller_cls(schema, unit_nodes, config, policy)
         self.unit_actors = dict(unit_actors)
+        self._drops: list[tuple[str, ray.ObjectRef]] = []  # drops sent and not yet confirmed
+        self._drops_lock = threading.Lock()
 
     def register(self, records: Sequence[PutRecord]) -> tuple[int, ...]:
         return self.ctrl.register(records)
@@ -103,7 +108,43 @@ class ControllerActor:
         """Record the ack and, when it completes the mini-batch, tell the units to drop it (from here, so the
         rank's ack is one fire-and-forget message off its critical path)."""
         for unit_id, ts in self.ctrl.ack(key, rank, fields):
-            self.unit_actors[unit_id].drop.remote(ts)
+            ref = self.unit_actors[unit_id].drop.remote(ts)
+            with self._drops_lock:
+                self._drops.append((unit_id, ref))
+
+    def wait_drained(self, timeout: float | None = None) -> int:
+        """Block until every drop sent so far is confirmed by its unit (no polling: waits on the drops' own
+        replies); returns the bytes they freed. ``TimeoutError`` if they are not all confirmed in time (they stay
+        pending for the next call); a unit that died raises ``UnitLostError``."""
+        with self._drops_lock:
+            pending = list(self._drops)
+        refs = [r for _, r in pending]
+        ready, not_ready = ray.wait(refs, num_returns=len(refs), timeout=timeout) if refs else ([], [])
+        if not_ready:
+            raise TimeoutError(f"{len(not_ready)} of {len(refs)} unit drops unconfirmed after {timeout} s")
+        freed = 0
+        for unit_id, r in pending:
+            freed += _call(r, unit_id)
+        with self._drops_lock:
+            done = {id(r) for r in refs}
+            self._drops = [(u, r) for u, r in self._drops if id(r) not in done]
+        return freed
+
+    # admission (knittrans.handoff)
+    def add_batch(self, plan: BatchPlan) -> None:
+        self.ctrl.add_batch(plan)
+
+    def seal(self) -> None:
+        self.ctrl.seal()
+
+    def version(self) -> int:
+        return self.ctrl.version
+
+    def wait_version(self, version: int, timeout: float | None = None) -> int:
+        return self.ctrl.wait_version(version, timeout)
+
+    def records(self) -> list[HandoffRecord]:
+        return self.ctrl.records()
 
     def close(self) -> None:
         self.ctrl.close()
@@ -192,6 +233,28 @@ class RayControllerProxy:
     def wait_released(self, count: int, timeout: float | None = None) -> int:
         return _call(self.actor.wait_released.remote(count, timeout))
 
+    def add_batch(self, plan: BatchPlan) -> None:
+        _call(self.actor.add_batch.remote(plan))
+
+    def seal(self) -> None:
+        _call(self.actor.seal.remote())
+
+    @property
+    def version(self) -> int:
+        return _call(self.actor.version.remote())
+
+    def wait_version(self, version: int, timeout: float | None = None) -> int:
+        return _call(self.actor.wait_version.remote(version, timeout))
+
+    def records(self) -> list[HandoffRecord]:
+        return _call(self.actor.records.remote())
+
+    def stats(self) -> ControllerStats:
+        return _call(self.actor.stats.remote())
+
+    def wait_drained(self, timeout: float | None = None) -> int:
+        return _call(self.actor.wait_drained.remote(timeout))
+
 
 @dataclass(frozen=True)
 class RayUnitProxy:
@@ -254,6 +317,15 @@ class RayDataPlane:
     def controller_stats(self) -> ControllerStats:
         return ray.get(self.controller_actor.stats.remote())
 
+    @property
+    def controller(self) -> RayControllerProxy:
+        """The controller API (``ControllerAPI`` plus admission, versions and records) over its actor."""
+        return RayControllerProxy(self.controller_actor)
+
+    def wait_drained(self, timeout: float | None = None) -> int:
+        """Block until every unit confirmed the drops of every released mini-batch (see ``ControllerActor``)."""
+        return self.controller.wait_drained(timeout)
+
     def close(self) -> None:
         """Wake waiters, then end the actors."""
         try:
@@ -266,10 +338,11 @@ class RayDataPlane:
 def build_ray(schema: TrajectorySchema, unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...],
               balance_slack: float = 0.05, equal_counts: bool = True,
               prepare: PrepareConfig | None = None, checksums: bool = False,
-              faults: "FaultPlan | None" = None) -> RayDataPlane:
+              faults: "FaultPlan | None" = None, policy: "AdmissionPolicy | None" = None) -> RayDataPlane:
     """Start one ``StorageUnitActor`` per unit (pinned to its node when the node is a Ray node id) and one
     ``ControllerActor``. Ray must already be initialized. ``checksums``: every put carries a CRC-32 per field,
-    verified by the unit and by the fetching rank; ``faults``: a ``knittrans.dataplane.faults.FaultPlan``."""
+    verified by the unit and by the fetching rank; ``faults``: a ``knittrans.dataplane.faults.FaultPlan``;
+    ``policy``: an admission policy the controller actor runs (``knittrans.handoff``)."""
     if not ray.is_initialized():
         raise RuntimeError("build_ray: call ray.init(...) first (see the module docstring for clusters)")
     cfg = ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts)
@@ -278,7 +351,7 @@ def build_ray(schema: TrajectorySchema, unit_nodes: Mapping[str, str], rank_node
         strategy = _node_affinity(node)
         opts = {"scheduling_strategy": strategy} if strategy is not None else {}
         units[u] = StorageUnitActor.options(**opts).remote(u, node, schema, faults.for_unit(u) if faults else ())
-    ctrl = ControllerActor.remote(schema, dict(unit_nodes), cfg, units)
+    ctrl = ControllerActor.remote(schema, dict(unit_nodes), cfg, units, Controller, policy)
     dp = RayDataPlane(schema, ctrl, units, prepare or PrepareConfig(), checksums)
     ray.get([ctrl.stats.remote(), *(a.stats.remote() for a in units.values())])  # wait until all are up
     return dp

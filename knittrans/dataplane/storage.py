@@ -91,7 +91,7 @@ class StorageUnit:
                     traj_id=p.traj_id, unit_id=self.unit_id,
                     fields=tuple(FieldMeta(n, int(a.nbytes), int(a.shape[0]) if a.ndim else 1, sums.get(n))
                                  for n, a in arrs.items()),
-                    num_tokens=None if tok is None else int(tok.shape[0])))
+                    num_tokens=None if tok is None else int(tok.shape[0]), meta=p.meta))
         return records
 
     def get(self, traj_ids: Sequence[int], fields: Sequence[str]) -> UnitChunk:

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
+from knittrans.types import Trajectory
+
 if TYPE_CHECKING:  # torch is imported only where tensors are built: unit and controller processes never load it
     import torch
 
@@ -80,6 +82,11 @@ class CorruptPayloadError(DataPlaneError):
 
 class DataPlaneClosedError(RuntimeError):
     """The data plane was closed while a caller waited on it."""
+
+
+class EndOfStream(DataPlaneClosedError):
+    """Every mini-batch of every announced batch has been admitted and the stream is sealed: there is no
+    ``seq``-th mini-batch to wait for (a consumer's iteration ends)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +180,10 @@ class TrajectoryPayload:
     checksums: Mapping[str, int] | None = None
     """Producer-side checksum per field (``knittrans.dataplane.faults.field_checksum``), or None: verified by
     the unit on receipt and by the rank on fetch, so a corrupted message is caught at both ends."""
+    meta: Trajectory | None = None
+    """Admission metadata (group, batch, response tokens, ``v_gen``): the put that carries it completes the
+    trajectory, and a controller with an admission policy hands it to the policy (``knittrans.handoff``). Put
+    every other field of the trajectory before, or with, this one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +204,7 @@ class PutRecord:
     unit_id: str
     fields: tuple[FieldMeta, ...]
     num_tokens: int | None  # length of the token field, if this put carried it
+    meta: Trajectory | None = None  # the payload's admission metadata, forwarded to the controller
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -214,6 +226,7 @@ class AdmittedMiniBatch:
     shares: tuple[tuple[int, ...], ...]
     share_tokens: tuple[int, ...]
     local_fraction: float  # fraction of trajectories whose rank sits on the node of the unit that holds them
+    group_ids: tuple[int, ...] = ()  # the groups the mini-batch consumes (as admission committed them)
 
 
 @dataclass(frozen=True)
@@ -227,6 +240,8 @@ class ShareLocation:
     fields: tuple[str, ...]
     nbytes: int  # payload bytes of the requested fields (what the rank receives)
     checksums: tuple[tuple[int | None, ...], ...] = ()  # checksums[f][i]: field f of traj_ids[i]; () when none
+    seq: int = -1  # the mini-batch's admission order (its training step), -1 when unknown
+    group_ids: tuple[int, ...] = ()  # every group of the mini-batch (all ranks' shares together)
 
 
 @dataclass(frozen=True)
@@ -265,6 +280,10 @@ class PackedShare:
     fields: Mapping[str, PackedField] = field(repr=False)
     nbytes: int = 0
     num_tokens: int = 0
+    seq: int = -1
+    """The mini-batch's admission order: the policy version of the step that trains on it (``v_train``)."""
+    group_ids: tuple[int, ...] = ()
+    """Every group of the mini-batch (all ranks' shares): what a step's completion releases from flow control."""
 
     def __getitem__(self, name: str) -> torch.Tensor:
         try:
@@ -272,3 +291,12 @@ class PackedShare:
         except KeyError:
             raise FieldNotProducedError(f"share {self.key} rank {self.rank} does not carry field {name!r} "
                                         f"(it carries {sorted(self.fields)})") from None
+
+
+TEXT_SCHEMA = TrajectorySchema(
+    fields=(FieldSpec("input_ids", "int64"), FieldSpec("old_logprobs", "float32", finite=True),
+            FieldSpec("advantages", "float32", finite=True), FieldSpec("loss_mask", "bool")),
+    token_field="input_ids", same_length=(("old_logprobs", "advantages", "loss_mask"),))
+"""A GRPO text trajectory: ``input_ids`` is prompt + response (it counts a trajectory's tokens); the
+response-length fields are the behaviour log-probs, the per-token advantages and the loss mask. The prompt is the
+first ``len(input_ids) - len(old_logprobs)`` ids."""

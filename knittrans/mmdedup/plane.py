@@ -49,7 +49,7 @@ from __future__ import annotations
 import threading
 import warnings
 from dataclasses import dataclass, field, fields as dc_fields, replace
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -65,6 +65,9 @@ from knittrans.mmdedup.gather import ImageSet
 from knittrans.mmdedup.keys import EncodingInputError, HashFn, check_encoding, encoding_hash_fn
 from knittrans.mmdedup.store import EncodingRef, EncodingStore, StoreStats
 from knittrans.types import MiniBatch
+
+if TYPE_CHECKING:
+    from knittrans.admission.base import AdmissionPolicy
 
 IMAGE_FIELD = "image_index"
 """The unit-written field: per trajectory, one int64 per image occurrence (placeholder order). Stored: the slot in
@@ -239,18 +242,18 @@ class MMController(Controller):
     an image it fetches). Groups come from ``MMPutRecord.group``; a mini-batch whose groups cannot be dealt to the
     ranks in equal counts (or with trajectories of unknown group) is split per trajectory as usual."""
 
-    def __init__(self, schema: TrajectorySchema, unit_nodes: Mapping[str, str], config: ControllerConfig) -> None:
-        super().__init__(schema, unit_nodes, config)
+    def __init__(self, schema: TrajectorySchema, unit_nodes: Mapping[str, str], config: ControllerConfig,
+                 policy: "AdmissionPolicy | None" = None) -> None:
+        super().__init__(schema, unit_nodes, config, policy)
         self._group: dict[int, int] = {}
 
-    def register(self, records: Sequence[PutRecord]):  # noqa: ANN201 - whatever Controller.register returns
-        out = super().register(records)
-        with self._cv:
-            for r in records:
-                g = getattr(r, "group", None)
-                if g is not None and g >= 0:
-                    self._group[r.traj_id] = g
-        return out
+    def _registered_locked(self, records: Sequence[PutRecord]) -> None:
+        for r in records:  # before admission runs on them, so shares keep these groups whole
+            g = getattr(r, "group", None)
+            if (g is None or g < 0) and r.meta is not None:
+                g = r.meta.group_id
+            if g is not None and g >= 0:
+                self._group[r.traj_id] = g
 
     def _assign(self, items: Sequence[ShareItem], mb: MiniBatch) -> tuple[tuple[int, ...], ...]:
         groups: dict[int, list[ShareItem]] = {}
@@ -327,8 +330,10 @@ class MMInProcessDataPlane(InProcessDataPlane):
 
 def build_mm_inprocess(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], schema: TrajectorySchema = MM_SCHEMA,
                        hash_fn: HashFn = encoding_hash_fn, balance_slack: float = 0.05, equal_counts: bool = True,
-                       prepare: PrepareConfig | None = None) -> MMInProcessDataPlane:
-    """``build_inprocess`` with ``MMStorageUnit``s and the group-keeping ``MMController``."""
-    ctrl = MMController(schema, unit_nodes, ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts))
+                       prepare: PrepareConfig | None = None,
+                       policy: "AdmissionPolicy | None" = None) -> MMInProcessDataPlane:
+    """``build_inprocess`` with ``MMStorageUnit``s and the group-keeping ``MMController`` (admitting through
+    ``policy`` when given, as ``knittrans.handoff`` does)."""
+    ctrl = MMController(schema, unit_nodes, ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts), policy)
     units = {u: MMStorageUnit(u, n, schema, hash_fn) for u, n in unit_nodes.items()}
     return MMInProcessDataPlane(schema, ctrl, units, prepare or PrepareConfig())

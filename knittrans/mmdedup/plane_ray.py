@@ -60,7 +60,7 @@ class MMRayDataPlane(RayDataPlane):
 
 def build_mm_ray(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], schema: TrajectorySchema = MM_SCHEMA,
                  hash_fn: HashFn = encoding_hash_fn, balance_slack: float = 0.05, equal_counts: bool = True,
-                 prepare: PrepareConfig | None = None) -> MMRayDataPlane:
+                 prepare: PrepareConfig | None = None, policy=None) -> MMRayDataPlane:  # noqa: ANN001 - AdmissionPolicy
     """``build_ray`` with ``MMStorageUnitActor``s and the ``MMController``. Ray must already be initialized."""
     if not ray.is_initialized():
         raise RuntimeError("build_mm_ray: call ray.init(...) first")
@@ -70,7 +70,7 @@ def build_mm_ray(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], sch
         strategy = _node_affinity(node)
         opts = {"scheduling_strategy": strategy} if strategy is not None else {}
         units[u] = MMStorageUnitActor.options(**opts).remote(u, node, schema, hash_fn)
-    ctrl = ControllerActor.remote(schema, dict(unit_nodes), cfg, units, MMController)
+    ctrl = ControllerActor.remote(schema, dict(unit_nodes), cfg, units, MMController, policy)
     dp = MMRayDataPlane(schema, ctrl, units, prepare or PrepareConfig())
     ray.get([ctrl.stats.remote(), *(a.stats.remote() for a in units.values())])  # wait until all are up
     return dp
