@@ -46,12 +46,19 @@ class GroupRequest:
     batch_id: int
     prompt_ids: tuple[int, ...]
     traj_ids: tuple[int, ...]
+    images: tuple[torch.Tensor, ...] = ()
+    """Multimodal prompts: the ``pixel_values`` ``[patches, patch_dim]`` of each image, in placeholder order (a
+    vision-language engine encodes them; the handoff stores each distinct one once)."""
+    grids: tuple[tuple[int, int, int], ...] = ()
+    """``grid_thw`` of each image in ``images``."""
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError(f"GroupRequest {self.group_id}: empty prompt")
         if not self.traj_ids:
             raise ValueError(f"GroupRequest {self.group_id}: no samples requested")
+        if len(self.images) != len(self.grids):
+            raise ValueError(f"GroupRequest {self.group_id}: {len(self.images)} images but {len(self.grids)} grids")
 
 
 @dataclass(frozen=True)
