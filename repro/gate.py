@@ -348,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="KnitTrans regression gates")
     ap.add_argument("--inject", default="none", choices=sorted(INJECTIONS),
                     help="switch on a deliberate regression (the targeted gates must fail)")
-    ap.add_argument("--only", default=None, help="run only this table's gates (staleness, speedup, ...; kernels: python -m repro.gates --only kernels)")
+    ap.add_argument("--only", default=None,
+                    help="run only this table's gates (staleness, speedup, ...; kernels: repro.gates --only kernels)")
     ap.add_argument("--no-timing", action="store_true", help="skip the gates over timing ratios")
     args = ap.parse_args(argv)
     results = run_gates(INJECTIONS[args.inject], args.only, timing=not args.no_timing)
