@@ -37,8 +37,8 @@ from repro.results import Results
 from repro.spec.core import Trial
 from repro.spec.kernels import Check, KernelCheckTrial, KernelOp, KernelTrial, PlanTrial
 from triton_kernels import backend
-from triton_kernels.bench import (SGLANG_SHAPE, Case, Memcpy, PassTime, hash_inputs, interleaved_passes, pack_copy_floor,
-                                  pack_inputs, spec_bandwidth)
+from triton_kernels.bench import (SGLANG_SHAPE, Case, Memcpy, PassTime, hash_inputs, interleaved_passes,
+                                  pack_copy_floor, pack_inputs, spec_bandwidth)
 from triton_kernels.traffic import Traffic
 
 
@@ -292,9 +292,9 @@ def notes(rows: list[Trial], mode: str, load0: tuple, load1: tuple) -> str:
         mode + ". Without a GPU the Triton kernels are only checked (interpreter), never timed.",
         "Bytes: each input byte read once, each output byte written once (triton_kernels.traffic; pack_traffic "
         "and hash_traffic beside the kernels). GB/s = (read + written) / s; a memcpy of the same total copies half.",
-        "Fraction of memcpy = memcpy time / op time, the memcpy moving the same bytes in the same pass; median over "
-        "interleaved passes with [min, max]. CPU: process CPU time (robust to other tenants' load); the wall-clock "
-        "fraction is logged too (frac_memcpy_wall).",
+        "Fraction of memcpy = memcpy time / op time, the memcpy moving the same bytes right before the op; median "
+        "over interleaved passes with [min, max]. CPU: process CPU time (robust to other tenants' load); the "
+        "wall-clock fraction is logged too (frac_memcpy_wall).",
         f"Load average (1/5/15 min) at start {load0[0]:.1f}/{load0[1]:.1f}/{load0[2]:.1f}, at end "
         f"{load1[0]:.1f}/{load1[1]:.1f}/{load1[2]:.1f}.",
         "Pack outputs: reused = PackBuffers (a training loop's steady state, the claim); fresh = allocated per call "

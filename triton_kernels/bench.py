@@ -4,9 +4,11 @@ timing in repeated, interleaved passes.
 How a fraction of memcpy is measured
 ------------------------------------
 Each timed point (a ``Case``) knows its op's ``Traffic`` (bytes read + written, counted by the kernel package).
-In every pass, for every case in turn, a memcpy that moves the same total (copies ``traffic.memcpy_bytes`` between
-two buffers touched beforehand) is timed, then each of the case's calls once. The fraction of memcpy of that pass is
-``memcpy seconds / op seconds`` (= op GB/s / memcpy GB/s, same bytes). A claim takes the median over passes and
+In every pass, for every case and each of its calls in turn, a memcpy that moves the same total (copies
+``traffic.memcpy_bytes`` between two buffers touched beforehand) is timed, then the call. The fraction of memcpy of
+that pass is ``memcpy seconds / op seconds`` (= op GB/s / memcpy GB/s, same bytes). The memcpy right before each
+call also leaves every call the same cache state (its inputs evicted as far as the bytes reach), so a variant is not
+helped by the one before it having read the same inputs. A claim takes the median over passes and
 reports [min, max]: load on a shared machine hits the op and the memcpy of the same pass alike, and one slow pass
 cannot decide. On CPU the memcpy is the faster (in that pass) of torch's ``copy_`` (intra-op threads) and numpy's
 single-threaded ``copyto``: on a busy machine a threaded copy can wait at its barrier, which would flatter
@@ -129,8 +131,8 @@ class Seconds(NamedTuple):
 
 @dataclass(frozen=True)
 class PassTime:
-    """One call of one case in one pass, beside the memcpy of the same bytes timed in the same pass (on CPU the
-    faster, by CPU time, of torch's and numpy's copy in that pass)."""
+    """One call of one case in one pass, beside the memcpy of the same bytes timed right before it (on CPU the
+    faster, by CPU time, of torch's and numpy's copy there)."""
 
     case: str
     variant: str
@@ -149,7 +151,7 @@ def _seconds(fn: Callable[[], object], device: torch.device) -> Seconds:
 
 def interleaved_passes(cases: Sequence[Case], memcpy: Memcpy, passes: int, warmup: int = 1,
                        threads: int | None = None) -> list[PassTime]:
-    """Time every case's calls once per pass, each case right after a memcpy of its bytes, for ``passes`` passes
+    """Time every case's calls once per pass, each right after a memcpy of its case's bytes, for ``passes`` passes
     (after ``warmup`` untimed rounds: first-touch faults, allocator and oneDNN caches). Python's garbage collector
     is paused while timing, as ``timeit`` does. ``threads``: torch's intra-op threads while timing (None: as set).
 
@@ -175,8 +177,9 @@ def interleaved_passes(cases: Sequence[Case], memcpy: Memcpy, passes: int, warmu
         gc.disable()
         for p in range(passes):
             for c in cases:
-                m = min((_seconds(fn, device) for fn in copies[c.name].values()), key=lambda s: s.cpu)
-                out += [PassTime(c.name, v, p, _seconds(fn, device), m) for v, fn in c.calls.items()]
+                for v, fn in c.calls.items():
+                    m = min((_seconds(copy, device) for copy in copies[c.name].values()), key=lambda s: s.cpu)
+                    out.append(PassTime(c.name, v, p, _seconds(fn, device), m))
     finally:
         if was_enabled:
             gc.enable()

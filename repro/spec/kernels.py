@@ -4,8 +4,9 @@ Rows
 ----
 - ``KernelTrial``: one timed call of an op (hash, pack, hash_rate, or a profile of one) in one pass, beside a memcpy
   that moves the same bytes (``triton_kernels.traffic``: each input byte read once, each output byte written once),
-  timed in the same pass, on two clocks: the process's CPU time and wall time. ``fraction_of_memcpy(clock) =
-  memcpy seconds / op seconds`` (= op GB/s / memcpy GB/s on the same bytes; in (0, inf), 1 = as fast as a copy).
+  timed right before it in the same pass, on two clocks: the process's CPU time and wall time.
+  ``fraction_of_memcpy(clock) = memcpy seconds / op seconds`` (= op GB/s / memcpy GB/s on the same bytes; in
+  (0, inf), 1 = as fast as a copy).
   CPU claims decide on CPU time (every contender on one thread: on a shared machine wall time measures the other
   tenants' load, which preempts a long call far more than a short memcpy); GPU claims on synchronized wall time.
 - ``KernelCheckTrial``: a deterministic check (kernel == reference bit for bit, collisions) with its mismatch count,
@@ -68,8 +69,8 @@ class KernelTrial(Trial):
     op_wall_s: float
     """Wall seconds of this call (GPU synchronized)."""
     memcpy_cpu_s: float
-    """The same for a memcpy moving bytes_read + bytes_written in the same pass (on CPU the faster, by CPU time, of
-    torch's and numpy's copy in that pass)."""
+    """The same for a memcpy moving bytes_read + bytes_written, timed right before this call (on CPU the faster, by
+    CPU time, of torch's and numpy's copy there)."""
     memcpy_wall_s: float
     outputs: str = ""
     """Pack only: "reused" (``PackBuffers``: a training loop's steady state) or "fresh" (allocated per call)."""
@@ -217,7 +218,8 @@ def mismatches(check: Check) -> Callable[[Sequence[Trial]], Measured]:
             return not_measured(f"could not run: {skipped[0].detail}")
         cases = sum(r.cases for r in sel)
         bad = sum(r.mismatches for r in sel)
-        return Measured(float(bad), n=cases, note=f"{bad} of {cases} cases on {', '.join(sorted({r.device for r in sel}))}"
+        devices = ", ".join(sorted({r.device for r in sel}))
+        return Measured(float(bad), n=cases, note=f"{bad} of {cases} cases on {devices}"
                         + "".join(f"; {r.detail}" for r in sel if r.detail))
 
     return measure
@@ -235,9 +237,10 @@ def plan_imbalance(rows: Sequence[Trial]) -> Measured:
 
 # -- claims --------------------------------------------------------------------------------------------------------
 
-_FRACTION = ("memcpy seconds / op seconds in the same pass, the memcpy moving the op's bytes (read + written, "
-             "each counted once: triton_kernels.traffic); range (0, inf), 1 = memcpy speed; process CPU time, one "
-             "thread; decided on the median over interleaved passes at the run's largest size (default: ")
+_FRACTION = ("memcpy seconds / op seconds, the memcpy timed right before the op in the same pass and moving the op's "
+             "bytes (read + written, each counted once: triton_kernels.traffic); range (0, inf), 1 = memcpy speed; "
+             "process CPU time, one thread; decided on the median over interleaved passes at the run's largest size "
+             "(default: ")
 _CPU = "CPU torch path vs a memcpy of the same bytes on the same machine, interleaved in one process, one thread"
 HASH_WHY = ("the int8 GEMM (16 multiply-adds per input byte, oneDNN) bounds the hash on this CPU: the claim can "
             "reach at most the GEMM's own fraction")

@@ -52,7 +52,8 @@ def test_traffic_rejects_negative_counts_and_a_memcpy_moves_the_same_total():
 def test_interleaved_passes_time_every_call_once_per_pass_after_its_memcpy():
     fields, off, plan = pack_inputs(4096, torch.Generator().manual_seed(0), torch.device("cpu"))
     calls = []
-    case = Case("pack", pack_traffic(fields, off, plan), {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")})
+    case = Case("pack", pack_traffic(fields, off, plan),
+                {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")})
     times = interleaved_passes([case], Memcpy(case.traffic.memcpy_bytes, torch.device("cpu")), passes=3, threads=1)
     assert [(t.pass_index, t.variant) for t in times] == [(p, v) for p in range(3) for v in "ab"]
     assert calls == ["a", "b"] * 4  # one warm-up round, then three passes
