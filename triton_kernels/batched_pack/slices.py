@@ -16,8 +16,8 @@ piece by piece through TensorIterator (several us each, and pieces under its 32k
 parallel anyway), which made ~1000 pieces per field cost more than the bytes. Other devices keep ``torch.cat``.
 
 Per batch, the placement is validated once (``check_placement``) and turned into pieces once (``slice_copies``,
-numpy bookkeeping); per field only the field itself is checked and the piece views built, one list comprehension
-over precomputed spans. Multi-threaded torch ops are avoided on CPU: on a busy 2-core machine each can wait
+numpy bookkeeping); per field only the field itself is checked and the piece views built (``map`` over
+precomputed ``slice`` objects). Multi-threaded torch ops are avoided on CPU: on a busy 2-core machine each can wait
 milliseconds at its barrier.
 
 Bytes moved (``batched_pack.pack_traffic``, what this path moves): per field of itemsize b, reads T * b and writes
@@ -130,9 +130,9 @@ def _assemble(copies: SliceCopies, sequences: Sequence[Buf], pads: Sequence[Buf]
 
 
 def _pad_source(pad_value: float | int | bool, dtype: torch.dtype, n: int, device: torch.device) -> Buf:
-    """``n`` copies of ``pad_value``'s bits as the field's same-width integers: a stride-0 view of one element
-    (no allocation, no fill; copying from it is a fill)."""
-    return _host(_as_int(torch.tensor([pad_value], dtype=dtype)).to(device).expand(n))
+    """``n`` copies of ``pad_value``'s bits as the field's same-width integers (contiguous: a stride-0 source would
+    keep numpy's concatenation off its memmove path for every pad run)."""
+    return _host(_as_int(torch.tensor([pad_value], dtype=dtype)).to(device).expand(n).contiguous())
 
 
 def copy_field(values: torch.Tensor, copies: SliceCopies, pad_value: float | int | bool,

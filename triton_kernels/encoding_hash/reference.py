@@ -306,6 +306,29 @@ def finalize(c: torch.Tensor, nbytes: torch.Tensor) -> torch.Tensor:
     return h
 
 
+def _fmix32_numpy(x: np.ndarray) -> np.ndarray:
+    """fmix32 on a uint32 array (numpy's uint32 multiply wraps and its shifts are logical: the spec as written)."""
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(FMIX_C1)
+    x = x ^ (x >> np.uint32(13))
+    x = x * np.uint32(FMIX_C2)
+    return x ^ (x >> np.uint32(16))
+
+
+def finalize_numpy(c: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """``finalize`` on CPU in numpy uint32 (the same bits): c uint32 [S, LANES], nbytes int64 [S] -> uint32 [S, 4].
+    A handful of tiny torch ops costs more than the whole computation here."""
+    lo = (nbytes & MASK32).astype(np.uint32)[:, None]
+    hi = ((nbytes >> 32) & MASK32).astype(np.uint32)[:, None]
+    h = _fmix32_numpy(_fmix32_numpy(lo ^ np.array(len_seeds(), dtype=np.uint32)[None, :]) ^ hi)
+    for t in range(LANES // KEY_WORDS):
+        h = _fmix32_numpy(h ^ c[:, t * KEY_WORDS:(t + 1) * KEY_WORDS])
+    for _ in range(2):
+        h0 = h.sum(axis=1, dtype=np.uint32)[:, None]  # h0 + h1 + h2 + h3, wrapping
+        h = _fmix32_numpy(np.concatenate([h0, h[:, 1:] + h0], axis=1))
+    return h
+
+
 def encoding_hash_reference(buf: torch.Tensor, offsets: torch.Tensor, *,
                              min_stream_blocks: int = STREAM_MIN_BLOCKS,
                              numpy_mix: bool | None = None) -> torch.Tensor:
@@ -314,8 +337,8 @@ def encoding_hash_reference(buf: torch.Tensor, offsets: torch.Tensor, *,
     Runs on any device; the result is on ``buf``'s device. ``min_stream_blocks`` changes speed, never keys:
     runs of at least that many whole blocks are read in place, the rest is gathered (a huge value gathers
     everything, the plain twin the tests compare against; 1 streams every whole block). ``numpy_mix`` (default:
-    on CPU) runs steps 2-3 with ``mix_and_sum_numpy`` instead of the torch ``mix_and_sum`` (the twin other
-    devices run); the keys are the same."""
+    on CPU) runs steps 2-4 in numpy uint32 (``mix_and_sum_numpy``, ``finalize_numpy``) instead of the torch
+    ``mix_and_sum`` and ``finalize`` (the twins other devices run); the keys are the same."""
     flat, off = check_segments(buf, offsets)
     k = mixing_matrix(str(flat.device))
     use_numpy = flat.device.type == "cpu" if numpy_mix is None else numpy_mix
@@ -327,7 +350,8 @@ def encoding_hash_reference(buf: torch.Tensor, offsets: torch.Tensor, *,
         acc = np.zeros((off.numel() - 1, LANES), dtype=np.uint32)
         for part in parts:
             mix_and_sum_numpy(acc, part)
-        return finalize(torch.from_numpy(acc.view(np.int32)), lengths).view(torch.int64)
+        keys = finalize_numpy(acc, (off[1:] - off[:-1]).numpy())
+        return torch.from_numpy(np.ascontiguousarray(keys).view(np.int64))
     c = torch.zeros(off.numel() - 1, LANES, dtype=torch.int64, device=flat.device)
     for part in parts:
         mix_and_sum(c, part)
