@@ -84,3 +84,16 @@ def test_streamed_and_gathered_blocks_give_the_same_keys():
         assert torch.equal(encoding_hash_reference(buf, off, min_stream_blocks=m), gathered), m
     assert torch.equal(encoding_hash(buf, off, impl="reference"), gathered)
     assert torch.unique(gathered, dim=0).shape[0] == len(sizes) - 1  # the two empty segments share a key
+
+
+def test_numpy_and_torch_mixing_give_the_same_keys():
+    """The CPU path mixes in numpy uint32; other devices (and this twin) in torch int32/int64."""
+    from triton_kernels.encoding_hash.reference import encoding_hash_reference
+
+    sizes = [0, 1, 5, BLOCK_BYTES, BLOCK_BYTES + 1, 70 * BLOCK_BYTES, 70 * BLOCK_BYTES + 3, 0, 5000 * 16 + 1]
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randint(0, 256, (sum(sizes),), dtype=torch.uint8, generator=g)
+    off = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(torch.tensor(sizes), 0)])
+    for stream in (1, 64, 2**62):
+        assert torch.equal(encoding_hash_reference(buf, off, min_stream_blocks=stream, numpy_mix=True),
+                           encoding_hash_reference(buf, off, min_stream_blocks=stream, numpy_mix=False))

@@ -26,17 +26,19 @@ from typing import Literal, Mapping
 import torch
 
 from ..encoding_hash import resolve_impl
+from ..traffic import Traffic
 from .buffers import PackBuffers
 from .planner import MicrobatchPlan, first_fit_decreasing, karmarkar_karp, plan_microbatches
-from .reference import (PackPlan, check_out, check_pack, cu_seqlens_from_plan, overlaps, pack_field_reference,
-                        position_ids_reference)
-from .slices import pack_field_slices, position_ids_slices, slice_copies
+from .reference import (PackPlan, check_field, check_out, check_pack, check_placement, cu_seqlens_from_plan,
+                        first_clash, pack_field_reference, position_ids_reference)
+from .slices import copy_field, pack_field_slices, position_ids_slices, slice_copies
 
 Impl = Literal["auto", "triton", "reference"]
 
 __all__ = ["PackPlan", "PackedBatch", "PackBuffers", "MicrobatchPlan", "batched_pack", "pack_field",
            "plan_microbatches", "karmarkar_karp", "first_fit_decreasing", "check_pack", "pack_field_reference",
-           "position_ids_reference", "pack_field_slices", "position_ids_slices"]
+           "position_ids_reference", "pack_field_slices", "position_ids_slices", "pack_traffic", "check_placement",
+           "check_field", "cu_seqlens_from_plan", "copy_field", "slice_copies"]
 
 
 @dataclass
@@ -83,9 +85,15 @@ def batched_pack(fields: Mapping[str, torch.Tensor], seq_offsets: torch.Tensor, 
     device = next(iter(fields.values())).device
     outs, pos_out = _resolve_out(out, fields, plan, device)
     if resolve_impl(impl, device) == "reference":
-        copies = slice_copies(seq_offsets, plan)  # once for all fields
-        packed = {name: pack_field_slices(v, seq_offsets, plan, pads.get(name, 0), copies=copies, out=outs[name])
-                  for name, v in fields.items()}
+        copies = slice_copies(seq_offsets, plan)  # validates the placement, once for all fields
+        for v in fields.values():
+            check_field(v, copies.end)
+        packed = {}
+        for name, v in fields.items():
+            dst = outs[name]
+            if dst is None:
+                dst = torch.empty(plan.num_rows, plan.row_len, dtype=v.dtype, device=device)
+            packed[name] = copy_field(v, copies, pads.get(name, 0), dst)
         pos = position_ids_slices(seq_offsets, plan, device, copies=copies, out=pos_out)
     else:
         packed = {name: pack_field(v, seq_offsets, plan, pads.get(name, 0), impl=impl, out=outs[name])
@@ -100,6 +108,30 @@ def batched_pack(fields: Mapping[str, torch.Tensor], seq_offsets: torch.Tensor, 
         return out
     return PackedBatch(fields=packed, position_ids=pos, cu_seqlens=cu.to(device), seq_counts=counts.to(device),
                        plan=plan)
+
+
+def pack_traffic(fields: Mapping[str, torch.Tensor], seq_offsets: torch.Tensor, plan: PackPlan) -> Traffic:
+    """The bytes ``batched_pack(fields, seq_offsets, plan)`` must move, on any path (what the slice path moves).
+
+    Reads, each once: every field's tokens ``T * b`` (T = seq_offsets[-1] - seq_offsets[0], itemsize b), the int64
+    ``seq_offsets`` and the plan's ``row`` and ``offset``. Writes, each once: every field's
+    ``num_rows * row_len * b`` (sequences and pads), int64 ``position_ids`` (generated: a write only), int32
+    ``cu_seqlens`` [num_rows, max_seqs_per_row + 1] and int64 ``seq_counts`` [num_rows]. Not counted: the pad and
+    position sources (cache resident), the Triton path's fill before its copy, validation rereading the offsets.
+
+    >>> plan = PackPlan(row=torch.tensor([0, 0, 1]), offset=torch.tensor([0, 2, 0]), num_rows=2, row_len=4)
+    >>> pack_traffic({"ids": torch.arange(6)}, torch.tensor([0, 2, 3, 6]), plan)
+    Traffic(read=128, written=168)
+    """
+    off = seq_offsets.to("cpu", torch.int64)
+    tokens = int(off[-1] - off[0]) if off.numel() else 0
+    slots = plan.num_rows * plan.row_len
+    per_token = sum(v.element_size() for v in fields.values())
+    width = int(torch.bincount(plan.row.cpu().to(torch.int64)).max()) if plan.num_sequences else 0
+    read = tokens * per_token + 8 * off.numel() + plan.num_sequences * (plan.row.element_size()
+                                                                      + plan.offset.element_size())
+    written = slots * (per_token + 8) + plan.num_rows * ((width + 1) * 4 + 8)
+    return Traffic(read=read, written=written)
 
 
 def _resolve_out(out: PackedBatch | PackBuffers | None, fields: Mapping[str, torch.Tensor], plan: PackPlan,
@@ -117,13 +149,10 @@ def _resolve_out(out: PackedBatch | PackBuffers | None, fields: Mapping[str, tor
         outs, pos = dict(out.fields), out.position_ids
     else:
         raise TypeError(f"out must be a PackedBatch, a PackBuffers or None, got {type(out).__name__}")
-    sources = tuple(fields.values())
     for name, v in fields.items():
-        check_out(outs[name], plan, v.dtype, v.device, name, sources)
-    check_out(pos, plan, torch.int64, device, "position_ids", sources)
-    named = list(outs.items()) + [("position_ids", pos)]
-    for i, (a, ta) in enumerate(named):
-        for b, tb in named[i + 1:]:
-            if overlaps(ta, tb):
-                raise ValueError(f"out for {a!r} and out for {b!r} share memory")
+        check_out(outs[name], plan, v.dtype, v.device, name)
+    check_out(pos, plan, torch.int64, device, "position_ids")
+    clash = first_clash([*outs.items(), ("position_ids", pos)], tuple(fields.values()))
+    if clash:
+        raise ValueError(clash)
     return outs, pos

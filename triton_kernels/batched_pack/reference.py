@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -61,47 +62,63 @@ class PackPlan:
         return self.row.numel()
 
 
-def check_pack(values: torch.Tensor, seq_offsets: torch.Tensor, plan: PackPlan) -> torch.Tensor:
-    """Validate a field against a plan; returns the per-sequence lengths (CPU int64). Clear errors for: a
-    non-1-D or non-contiguous field, negative lengths, seq_offsets past the field's end, a sequence longer than
-    the row (the token budget), rows or offsets out of range, and overlapping placements."""
+def check_field(values: torch.Tensor, tokens_end: int) -> None:
+    """A field is a contiguous 1-D tensor holding at least ``tokens_end`` (= seq_offsets[-1]) tokens."""
     if not isinstance(values, torch.Tensor) or values.dim() != 1:
         raise TypeError(f"a field must be a 1-D tensor of per-token values, got {getattr(values, 'shape', values)}")
     if not values.is_contiguous():
         raise ValueError("a field must be contiguous; call .contiguous() first")
-    if seq_offsets.dim() != 1 or seq_offsets.numel() != plan.num_sequences + 1 or seq_offsets.dtype not in (
-            torch.int64, torch.int32):
+    if tokens_end > values.numel():
+        raise ValueError(f"seq_offsets out of range: they end at {tokens_end} but the field has {values.numel()} "
+                         "tokens")
+
+
+def check_placement(seq_offsets: torch.Tensor, plan: PackPlan) -> np.ndarray:
+    """Validate seq_offsets against a plan, once for all fields of a batch; returns the per-sequence lengths
+    (numpy int64). Clear errors for: negative lengths, a negative first offset, a sequence longer than the row (the
+    token budget), rows or offsets out of range, and overlapping placements. Bookkeeping in numpy: a few us per
+    op on one thread, where small torch ops cost ~10 us each."""
+    if not isinstance(seq_offsets, torch.Tensor) or seq_offsets.dim() != 1 or \
+            seq_offsets.numel() != plan.num_sequences + 1 or seq_offsets.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"seq_offsets must be 1-D int64 with num_sequences + 1 = {plan.num_sequences + 1} entries, "
-                        f"got {seq_offsets.dtype} {tuple(seq_offsets.shape)}")
-    off = seq_offsets.to("cpu", torch.int64)
+                        f"got {getattr(seq_offsets, 'dtype', type(seq_offsets).__name__)} "
+                        f"{tuple(getattr(seq_offsets, 'shape', ()))}")
+    off = seq_offsets.to("cpu", torch.int64).numpy()
     lengths = off[1:] - off[:-1]
-    if bool((lengths < 0).any()):
-        i = int(torch.nonzero(lengths < 0)[0])
+    if (lengths < 0).any():
+        i = int(np.flatnonzero(lengths < 0)[0])
         raise ValueError(f"negative length: sequence {i} has seq_offsets {int(off[i])} -> {int(off[i + 1])}")
-    if int(off[0]) < 0 or int(off[-1]) > values.numel():
-        raise ValueError(f"seq_offsets out of range: [{int(off[0])}, {int(off[-1])}) but the field has "
-                         f"{values.numel()} tokens")
-    if bool((lengths > plan.row_len).any()):
-        i = int(torch.nonzero(lengths > plan.row_len)[0])
+    if int(off[0]) < 0:
+        raise ValueError(f"seq_offsets out of range: they start at {int(off[0])}")
+    if (lengths > plan.row_len).any():
+        i = int(np.flatnonzero(lengths > plan.row_len)[0])
         raise ValueError(f"sequence {i} has {int(lengths[i])} tokens, longer than the budget row_len="
                          f"{plan.row_len}")
-    row, start = plan.row.to("cpu", torch.int64), plan.offset.to("cpu", torch.int64)
+    row, start = plan.row.to("cpu", torch.int64).numpy(), plan.offset.to("cpu", torch.int64).numpy()
     bad = (row < 0) | (row >= plan.num_rows) | (start < 0) | (start + lengths > plan.row_len)
-    if bool(bad.any()):
-        i = int(torch.nonzero(bad)[0])
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
         raise ValueError(f"placement out of range: sequence {i} ({int(lengths[i])} tokens) at row {int(row[i])}, "
                          f"offset {int(start[i])} does not fit {plan.num_rows} rows x {plan.row_len} tokens")
-    nz = torch.nonzero(lengths > 0).flatten()  # empty sequences occupy nothing, so they cannot overlap
-    if nz.numel() > 1:
-        key = row[nz] * (plan.row_len + 1) + start[nz]
-        order = nz[torch.argsort(key)]
+    nz = np.flatnonzero(lengths > 0)  # empty sequences occupy nothing, so they cannot overlap
+    if nz.size > 1:
+        order = nz[np.argsort(row[nz] * (plan.row_len + 1) + start[nz], kind="stable")]
         r, s, e = row[order], start[order], start[order] + lengths[order]
         clash = (r[1:] == r[:-1]) & (s[1:] < e[:-1])
-        if bool(clash.any()):
-            j = int(torch.nonzero(clash)[0])
+        if clash.any():
+            j = int(np.flatnonzero(clash)[0])
             raise ValueError(f"overlapping placements: sequences {int(order[j])} and {int(order[j + 1])} both "
                              f"cover row {int(r[j])} tokens [{int(s[j + 1])}, {int(min(e[j], e[j + 1]))})")
     return lengths
+
+
+def check_pack(values: torch.Tensor, seq_offsets: torch.Tensor, plan: PackPlan) -> torch.Tensor:
+    """Validate a field against a plan (``check_field`` + ``check_placement``); returns the per-sequence lengths
+    (CPU int64 tensor)."""
+    check_field(values, 0)
+    if isinstance(seq_offsets, torch.Tensor) and seq_offsets.dim() == 1 and seq_offsets.numel():
+        check_field(values, int(seq_offsets[-1]))
+    return torch.from_numpy(check_placement(seq_offsets, plan))
 
 
 def check_out(out: torch.Tensor, plan: PackPlan, dtype: torch.dtype, device: torch.device, what: str,
@@ -132,6 +149,29 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def first_clash(outputs: list[tuple[str, torch.Tensor]], sources: tuple[torch.Tensor, ...]) -> str:
+    """"" if no output shares a byte with another output or with a source (sources may share among themselves),
+    else what clashes. One sort of the address ranges instead of a check per pair: sorted by start, a range that
+    overlaps any earlier one overlaps the earlier one of that kind reaching furthest."""
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name, t.device)
+             for name, t in outputs if t.numel()]
+    spans += [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), None, t.device) for t in sources
+              if t.numel()]
+    reach: dict[tuple[bool, torch.device], tuple[int, str | None]] = {}
+    for start, end, name, device in sorted(spans, key=lambda s: (s[0], s[2] is None)):
+        out_end, out_name = reach.get((True, device), (-1, None))
+        if start < out_end:
+            if name is None:
+                return f"out for {out_name!r} overlaps the memory it is packed from"
+            return f"out for {out_name!r} and out for {name!r} share memory"
+        if name is not None and start < reach.get((False, device), (-1, None))[0]:
+            return f"out for {name!r} overlaps the memory it is packed from"
+        key = (name is not None, device)
+        if end > reach.get(key, (-1, None))[0]:
+            reach[key] = (end, name)
+    return ""
 
 
 def _token_index(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,18 +220,18 @@ def position_ids_reference(seq_offsets: torch.Tensor, plan: PackPlan, device: to
 
 
 def cu_seqlens_from_plan(seq_offsets: torch.Tensor, plan: PackPlan) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cu_seqlens int32 [num_rows, max_per_row + 1], sequences per row int64 [num_rows]); see module doc."""
-    off = seq_offsets.to("cpu", torch.int64)
+    """(cu_seqlens int32 [num_rows, max_per_row + 1], sequences per row int64 [num_rows]); see module doc.
+    Bookkeeping in numpy (small arrays: one thread, microseconds per op)."""
+    off = seq_offsets.to("cpu", torch.int64).numpy()
     lengths = off[1:] - off[:-1]
-    row, start = plan.row.cpu().to(torch.int64), plan.offset.cpu().to(torch.int64)
-    counts = torch.bincount(row, minlength=plan.num_rows) if row.numel() else torch.zeros(plan.num_rows,
-                                                                                           dtype=torch.int64)
-    width = int(counts.max()) if counts.numel() else 0
-    cu = torch.zeros(plan.num_rows, width + 1, dtype=torch.int64)
-    if row.numel():
-        order = torch.argsort(row * (plan.row_len + 1) + start + (lengths > 0).to(torch.int64), stable=True)
+    row, start = plan.row.to("cpu", torch.int64).numpy(), plan.offset.to("cpu", torch.int64).numpy()
+    counts = np.bincount(row, minlength=plan.num_rows).astype(np.int64)
+    width = int(counts.max()) if counts.size else 0
+    cu = np.zeros((plan.num_rows, width + 1), dtype=np.int64)
+    if row.size:
+        order = np.argsort(row * (plan.row_len + 1) + start + (lengths > 0), kind="stable")
         r = row[order]
-        rank_in_row = torch.arange(order.numel()) - (torch.cumsum(counts, 0) - counts)[r]
+        rank_in_row = np.arange(order.size) - (np.cumsum(counts) - counts)[r]
         cu[r, rank_in_row + 1] = (start + lengths)[order]
-        cu = torch.cummax(cu, dim=1).values  # repeat each row's last end into its unused tail
-    return cu.to(torch.int32), counts
+        cu = np.maximum.accumulate(cu, axis=1)  # repeat each row's last end into its unused tail
+    return torch.from_numpy(cu.astype(np.int32)), torch.from_numpy(counts)

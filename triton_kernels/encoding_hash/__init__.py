@@ -22,12 +22,13 @@ from typing import Literal, Sequence
 
 import torch
 
-from .reference import BLOCK_BYTES, encoding_hash_reference
+from ..traffic import Traffic
+from .reference import BLOCK_BYTES, KEY_WORDS, encoding_hash_reference
 
 Impl = Literal["auto", "triton", "reference"]
 
 __all__ = ["encoding_hash", "encoding_hash_reference", "ragged_bytes", "key_bytes", "key_hex", "resolve_impl",
-           "BLOCK_BYTES"]
+           "hash_traffic", "BLOCK_BYTES"]
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -92,3 +93,16 @@ def key_hex(key: torch.Tensor) -> str:
     return key_bytes(key).hex()
 
 
+def hash_traffic(offsets: torch.Tensor) -> Traffic:
+    """The bytes ``encoding_hash(buf, offsets)`` must move: reads every segment byte once and the int64 offsets
+    (8 bytes each); writes one 16-byte key per segment. The 64 KiB mixing matrix is cache resident and not counted,
+    nor is the reference's staging copy of segment tails (implementation traffic, not the op's).
+
+    >>> hash_traffic(torch.tensor([0, 4096, 4100]))
+    Traffic(read=4124, written=32)
+    """
+    off = offsets.to("cpu", torch.int64)
+    if off.dim() != 1 or off.numel() < 1:
+        raise ValueError(f"offsets must be 1-D with num_segments + 1 entries, got shape {tuple(off.shape)}")
+    segments = off.numel() - 1
+    return Traffic(read=int(off[-1] - off[0]) + 8 * off.numel(), written=4 * KEY_WORDS * segments)

@@ -260,6 +260,31 @@ def mix_and_sum(c: torch.Tensor, part: BlockSums) -> None:
         c.index_add_(0, part.seg[a:a + CHUNK_ROWS].to(c.device), mixed.to(torch.int64))
 
 
+NUMPY_CHUNK_ROWS = 4096  # 64K uint32 lanes (256 KiB): every temporary of a chunk stays in L2
+
+
+def mix_and_sum_numpy(c: np.ndarray, part: BlockSums) -> None:
+    """Steps 2 and 3 on CPU, the same bits as ``mix_and_sum``: ``c`` is uint32 [S, LANES] and c[seg] += m(row)
+    wraps mod 2^32. numpy's uint32 multiply, add and shifts are exactly the uint32 arithmetic of the spec (no
+    masking, no int64 widening) and run on one thread; a block's rows of one segment are consecutive, so each
+    chunk's per-segment sums are one ``reduceat`` (uint32, wrapping) and one ``add.at``."""
+    v = part.v.numpy().view(np.uint32)
+    seg, row = part.seg.numpy(), part.row.numpy()
+    seeds = np.array(lane_seeds(), dtype=np.uint32)
+    for a in range(0, v.shape[0], NUMPY_CHUNK_ROWS):
+        b = a + NUMPY_CHUNK_ROWS
+        x = row[a:b].astype(np.uint32)[:, None] * np.uint32(GOLDEN) + seeds
+        x ^= v[a:b]
+        x ^= x >> np.uint32(16)
+        x *= np.uint32(FMIX_C1)
+        x ^= x >> np.uint32(13)
+        x *= np.uint32(FMIX_C2)
+        x ^= x >> np.uint32(16)
+        s = seg[a:b]
+        starts = np.flatnonzero(np.concatenate([[True], s[1:] != s[:-1]]))
+        np.add.at(c, s[starts], np.add.reduceat(x, starts, axis=0, dtype=np.uint32))
+
+
 def len_seeds() -> list[int]:
     """Seeds of the four output lanes: fmix32(k + LEN_SEED)."""
     return [_fmix32_int(k + LEN_SEED) for k in range(KEY_WORDS)]
@@ -281,17 +306,53 @@ def finalize(c: torch.Tensor, nbytes: torch.Tensor) -> torch.Tensor:
     return h
 
 
+def _fmix32_numpy(x: np.ndarray) -> np.ndarray:
+    """fmix32 on a uint32 array (numpy's uint32 multiply wraps and its shifts are logical: the spec as written)."""
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(FMIX_C1)
+    x = x ^ (x >> np.uint32(13))
+    x = x * np.uint32(FMIX_C2)
+    return x ^ (x >> np.uint32(16))
+
+
+def finalize_numpy(c: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """``finalize`` on CPU in numpy uint32 (the same bits): c uint32 [S, LANES], nbytes int64 [S] -> uint32 [S, 4].
+    A handful of tiny torch ops costs more than the whole computation here."""
+    lo = (nbytes & MASK32).astype(np.uint32)[:, None]
+    hi = ((nbytes >> 32) & MASK32).astype(np.uint32)[:, None]
+    h = _fmix32_numpy(_fmix32_numpy(lo ^ np.array(len_seeds(), dtype=np.uint32)[None, :]) ^ hi)
+    for t in range(LANES // KEY_WORDS):
+        h = _fmix32_numpy(h ^ c[:, t * KEY_WORDS:(t + 1) * KEY_WORDS])
+    for _ in range(2):
+        h0 = h.sum(axis=1, dtype=np.uint32)[:, None]  # h0 + h1 + h2 + h3, wrapping
+        h = _fmix32_numpy(np.concatenate([h0, h[:, 1:] + h0], axis=1))
+    return h
+
+
 def encoding_hash_reference(buf: torch.Tensor, offsets: torch.Tensor, *,
-                             min_stream_blocks: int = STREAM_MIN_BLOCKS) -> torch.Tensor:
+                             min_stream_blocks: int = STREAM_MIN_BLOCKS,
+                             numpy_mix: bool | None = None) -> torch.Tensor:
     """128-bit keys of the byte segments of ``buf``: int64 [num_segments, 2] (the four uint32 lanes, little-endian).
 
     Runs on any device; the result is on ``buf``'s device. ``min_stream_blocks`` changes speed, never keys:
     runs of at least that many whole blocks are read in place, the rest is gathered (a huge value gathers
-    everything, the plain twin the tests compare against; 1 streams every whole block)."""
+    everything, the plain twin the tests compare against; 1 streams every whole block). ``numpy_mix`` (default:
+    on CPU) runs steps 2-4 in numpy uint32 (``mix_and_sum_numpy``, ``finalize_numpy``) instead of the torch
+    ``mix_and_sum`` and ``finalize`` (the twins other devices run); the keys are the same."""
     flat, off = check_segments(buf, offsets)
     k = mixing_matrix(str(flat.device))
-    c = torch.zeros(off.numel() - 1, LANES, dtype=torch.int64, device=flat.device)
-    for part in block_sums(flat, off, k, min_stream_blocks):
-        mix_and_sum(c, part)
+    use_numpy = flat.device.type == "cpu" if numpy_mix is None else numpy_mix
+    if use_numpy and flat.device.type != "cpu":
+        raise ValueError(f"numpy_mix=True needs a CPU buffer, got {flat.device}")
     lengths = (off[1:] - off[:-1]).to(flat.device)
+    parts = block_sums(flat, off, k, min_stream_blocks)
+    if use_numpy:
+        acc = np.zeros((off.numel() - 1, LANES), dtype=np.uint32)
+        for part in parts:
+            mix_and_sum_numpy(acc, part)
+        keys = finalize_numpy(acc, (off[1:] - off[:-1]).numpy())
+        return torch.from_numpy(np.ascontiguousarray(keys).view(np.int64))
+    c = torch.zeros(off.numel() - 1, LANES, dtype=torch.int64, device=flat.device)
+    for part in parts:
+        mix_and_sum(c, part)
     return finalize(wrap32(c), lengths).view(torch.int64)
