@@ -43,15 +43,15 @@ class Claim:
     note: str = ""
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: _jsonable(v) for k, v in dataclasses.asdict(self).items()}
+        return {k: jsonable(v) for k, v in dataclasses.asdict(self).items()}
 
 
-def _jsonable(v: Any) -> Any:
+def jsonable(v: Any) -> Any:
     """Plain JSON types; NaN/inf become None (JSON has no NaN), numpy scalars become Python numbers."""
     if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
+        return {str(k): jsonable(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
+        return [jsonable(x) for x in v]
     if hasattr(v, "item") and callable(v.item) and getattr(v, "ndim", 0) == 0:
         v = v.item()
     if isinstance(v, float) and not math.isfinite(v):
@@ -174,7 +174,7 @@ class Results:
 
     def summary(self) -> dict[str, Any]:
         return {"table": self.table, "claims": self.claim_dicts(),
-                "rows": _jsonable(self.rows), **_jsonable(self.extra)}
+                "rows": jsonable(self.rows), **jsonable(self.extra)}
 
     def write(self, config: Any = None, seed: int | None = None, columns: Sequence[str] | None = None) -> dict:
         """Write summary.json, table.md, config.yaml, meta.json; print the summary as the last stdout line."""
@@ -196,10 +196,10 @@ class Results:
                 text = OmegaConf.to_yaml(config) if OmegaConf.is_config(config) else OmegaConf.to_yaml(
                     OmegaConf.structured(config))
             except Exception:  # noqa: BLE001 - a config that omegaconf cannot render is still recorded
-                text = json.dumps(_jsonable(dataclasses.asdict(config) if dataclasses.is_dataclass(config)
+                text = json.dumps(jsonable(dataclasses.asdict(config) if dataclasses.is_dataclass(config)
                                             else config), indent=2)
             (out / "config.yaml").write_text(text)
-        (out / "meta.json").write_text(json.dumps(_jsonable(run_metadata(seed)), indent=2) + "\n")
+        (out / "meta.json").write_text(json.dumps(jsonable(run_metadata(seed)), indent=2) + "\n")
         if self.trials:
             from repro.trials import write_trials
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from repro.results import _jsonable, run_metadata
+from repro.results import jsonable, run_metadata
 from repro.spec.core import Trial, row_from_dict
 
 FILENAME = "trials.jsonl"
@@ -67,9 +67,9 @@ def write_trials(out_dir: str | Path, table: str, rows: Sequence[Trial], config:
               "seeds": sorted({r.seed for r in rows}), **run_metadata(), "config": _plain(config)}
     path = out / FILENAME
     with open(path, "w") as f:
-        f.write(json.dumps(_jsonable(header)) + "\n")
+        f.write(json.dumps(jsonable(header)) + "\n")
         for r in rows:
-            f.write(json.dumps({"kind": "trial", "type": type(r).__name__, "row": _jsonable(r.as_dict())}) + "\n")
+            f.write(json.dumps({"kind": "trial", "type": type(r).__name__, "row": jsonable(r.as_dict())}) + "\n")
     return path
 
 
