@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from knittrans.types import ExecutionMode, InflightPolicy, SyncPolicy
+from knittrans.types import ExecutionMode, InflightPolicy, SyncPolicy, ValueNamedEnum
 
 
 class FlowKind(str, enum.Enum):
@@ -20,7 +20,7 @@ class FlowKind(str, enum.Enum):
     UNBOUNDED = "unbounded"  # keep every rollout slot busy (the group-queue theory setting)
 
 
-class BudgetRelease(str, enum.Enum):
+class BudgetRelease(str, enum.Enum, metaclass=ValueNamedEnum):
     """When a consumed group stops counting against the in-flight budget (``FlowKind.GROUPS`` only).
 
     The choice moves mean staleness by about one step: in the regime where the budget binds, by Little's law a
