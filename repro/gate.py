@@ -1,10 +1,13 @@
 """Regression gates: every paper claim and performance target as a check over a deterministic quantity.
 
     python -m repro.gate                         # all gates at CI-friendly sizes; exit 1 if any fails
-    python -m repro.gate --only staleness        # one table's gates
-    python -m repro.gate --inject knittrans_waits_whole_batch   # prove the gates catch a regression
+    python -m repro.gate --only speedup          # one table's gates
+    python -m repro.gate --inject disable_dedup  # prove the gates catch a regression
 
-A gate measures a deterministic quantity (simulated staleness with a fixed seed, bytes moved, dedup counts,
+The staleness table's gates moved to the spec (``python -m repro.gates --only staleness``; claims and gate bounds
+in ``repro/spec/staleness.py``).
+
+A gate measures a deterministic quantity (bytes moved, dedup counts,
 bit-exact equality) or a ratio of timings measured in one run, with a stated margin; never an absolute time. A
 failing gate prints the claim, the measured value and the bound. ``--inject`` switches on a deliberate
 regression (see ``INJECTIONS``); the gates it targets must then fail, which ``tests/unit/test_gates.py`` checks.
@@ -16,14 +19,12 @@ import argparse
 import enum
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 
 class Injection(str, enum.Enum):
     NONE = "none"
-    KNITTRANS_WAITS_WHOLE_BATCH = "knittrans_waits_whole_batch"  # KnitTrans admission replaced by train-batch
-    NO_FEASIBILITY_CHECK = "no_feasibility_check"  # KnitTrans admission replaced by greedy streaming
     DISABLE_DEDUP = "disable_dedup"  # the multimodal trainer path encodes every image occurrence
 
 
@@ -68,102 +69,6 @@ class GateResult:
         status = "ok  " if self.passed else "FAIL"
         return (f"{status} {self.gate.table}/{self.gate.name}: measured {self.measured:.4g}, required "
                 f"{self.gate.op} {self.gate.bound:.4g} ({self.gate.why}){'; ' + self.context if self.context else ''}")
-
-
-# -- staleness -------------------------------------------------------------------------------------------------
-
-_STALENESS_CACHE: dict[Injection, list] = {}
-
-
-def _staleness_points(inj: Injection):
-    """A CI-size slice of the staleness table: the time-scaled 64-prompt config with n=16, M=16 (the DAPO shape),
-    and the variable-group scenario; deterministic given the seed."""
-    if inj in _STALENESS_CACHE:
-        return _STALENESS_CACHE[inj]
-    from repro.staleness import Point, SystemConf, run_point
-
-    sysc = SystemConf()
-    swap = {Injection.KNITTRANS_WAITS_WHOLE_BATCH: "train_batch", Injection.NO_FEASIBILITY_CHECK: "greedy"}
-    pts = []
-    for pol in ("knittrans", "train_batch"):
-        for b in (0.5, 1.0, 1.5, 2.0):
-            pts.append(Point("gate", pol, 64, 16, 16, "light", b, "every_step", 5, 2, 0, sysc))
-    for pol in ("knittrans", "greedy"):
-        for b in (1.0, 2.0):
-            pts.append(Point("gate_var", pol, 32, 8, 4, "light", b, "every_step", 5, 2, 0, sysc, batch_total=192))
-    results = []
-    for p in pts:
-        run_as = swap.get(inj, "knittrans") if p.policy == "knittrans" else p.policy
-        r = run_point(replace(p, policy=run_as))
-        results.append(replace(r, point=p))  # label it as the policy it stands in for
-    _STALENESS_CACHE[inj] = results
-    return results
-
-
-def _reduction(inj: Injection) -> tuple[float, str]:
-    from repro.staleness import matched_reduction
-
-    rs = [r for r in _staleness_points(inj) if r.point.scenario == "gate"]
-    m = matched_reduction([r for r in rs if r.point.policy == "knittrans"],
-                          [r for r in rs if r.point.policy == "train_batch"])
-    if m is None:
-        return float("-inf"), "no matched operating point"
-    return m.reduction, (f"train-batch budget {m.tb.point.budget} A={m.tb.metrics['arch_staleness']:.2f} vs "
-                         f"KnitTrans budget {m.kt.point.budget} A={m.kt.metrics['arch_staleness']:.2f}")
-
-
-def _throughput_ratio(inj: Injection) -> tuple[float, str]:
-    rs = [r for r in _staleness_points(inj) if r.point.scenario == "gate" and r.ok]
-    thr = {(r.point.policy, r.point.budget): r.metrics["throughput_traj_s"] for r in rs}
-    ratios = {b: thr[("knittrans", b)] / thr[("train_batch", b)] for (_, b) in thr
-              if ("knittrans", b) in thr and ("train_batch", b) in thr}
-    worst = min(ratios.values())
-    return worst, "per budget: " + ", ".join(f"{b}: {x:.3f}" for b, x in sorted(ratios.items()))
-
-
-def _knittrans_violations(inj: Injection) -> tuple[float, str]:
-    rs = [r for r in _staleness_points(inj) if r.point.scenario == "gate_var" and r.point.policy == "knittrans"]
-    bad = sum(r.metrics.get("violations", 0) for r in rs if r.ok) + sum(1 for r in rs if not r.ok)
-    return float(bad), "variable group sizes, exact mini-batch sizes"
-
-
-def _greedy_dead_ends(inj: Injection) -> tuple[float, str]:
-    rs = [r for r in _staleness_points(inj) if r.point.scenario == "gate_var" and r.point.policy == "greedy"]
-    return float(sum(r.metrics.get("dead_ends", 0) for r in rs if r.ok)), "the baseline must still dead-end here"
-
-
-def _littles_law(inj: Injection) -> tuple[float, str]:
-    import numpy as np
-
-    from baselines.admission import BoundedAsyncAdmission
-    from knittrans.constraints import BatchConstraints
-    from knittrans.sim import (EngineConfig, FlowConfig, FlowKind, SimConfig, SyncConfig, SyncPolicy,
-                               TrainerConfig, simulate)
-    from knittrans.staleness import pre_queue_staleness
-    from workloads.text import LengthDist, TextWorkloadConfig, generate_batches
-
-    worst = 0.0
-    for rho in (0.5, 2.0):
-        wl = TextWorkloadConfig(name="theory", prompts_per_batch=16, group_size=8, num_minibatches=1,
-                                lengths=LengthDist(median=400, sigma=0.8, max_len=4000, min_len=8), prompt_len=0)
-        batches = generate_batches(wl, 60, seed=1)
-        lens = np.concatenate([g for b in batches for g in b.lengths.values()])
-        m_tail = np.mean([g.max() for b in batches for g in b.lengths.values()]) / lens.mean()
-        C, B, tpot = 256, wl.batch_size, 0.01
-        step = B * rho / (C / (lens.mean() * tpot))
-        cfg = SimConfig(engine=EngineConfig(num_engines=2, slots=128, tpot=tpot),
-                        trainer=TrainerConfig(step_overhead=step, per_token=0.0),
-                        sync=SyncConfig(policy=SyncPolicy.EVERY_STEP, cost=0.0),
-                        flow=FlowConfig(kind=FlowKind.UNBOUNDED))
-        res = simulate(cfg, BoundedAsyncAdmission(BatchConstraints(B, 1, 4000, group_size=8)), batches)
-        start = res.records.t_start
-        done = ~np.isnan(res.records.t_group_complete)
-        pq = np.full(len(start), np.nan)
-        pq[done] = pre_queue_staleness(res)
-        lo, hi = np.quantile(start, [0.2, 0.7])
-        measured = np.nanmean(pq[(start >= lo) & (start <= hi)])
-        worst = max(worst, abs(measured / (C * m_tail / (B * max(1.0, rho))) - 1))
-    return worst, "rho in {0.5, 2.0}"
 
 
 # -- transfer (a ratio measured within one run) ----------------------------------------------------------------
@@ -336,16 +241,6 @@ def _hash_kernel_equals_reference(inj: Injection) -> tuple[float, str]:
 
 def gates() -> list[Gate]:
     return [
-        Gate("arch_staleness_reduction", "staleness", ">=", 0.90, _reduction,
-             "paper: up to 0.93; CI-size slice (64x16, M=16, time-scaled), matched throughput"),
-        Gate("throughput_ratio", "staleness", ">=", 0.999, _throughput_ratio,
-             "KnitTrans / train-batch at equal in-flight budget; equality allowed (both rollout-bound)"),
-        Gate("knittrans_constraint_violations", "staleness", "==", 0.0, _knittrans_violations,
-             "admission must never break a batch constraint or stall"),
-        Gate("greedy_dead_ends", "staleness", ">=", 1.0, _greedy_dead_ends,
-             "the scenario must keep exercising feasibility"),
-        Gate("littles_law_error", "staleness", "<=", 0.10, _littles_law,
-             "simulator vs C*M_tail/(B*max(1,rho)), relative"),
         Gate("exposed_latency_ratio", "transfer-text", ">=", 5.0, _text_exposed_ratio,
              "target 10 (KnitTrans <= 10% of the verl-style baseline) with a 2x margin for a noisy CI machine; "
              "a ratio of two timings from one run", timing=True),
@@ -384,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="KnitTrans regression gates")
     ap.add_argument("--inject", default="none", choices=sorted(INJECTIONS),
                     help="switch on a deliberate regression (the targeted gates must fail)")
-    ap.add_argument("--only", default=None, help="run only this table's gates (staleness, kernels, ...)")
+    ap.add_argument("--only", default=None, help="run only this table's gates (kernels, speedup, ...)")
     ap.add_argument("--no-timing", action="store_true", help="skip the gates over timing ratios")
     args = ap.parse_args(argv)
     results = run_gates(INJECTIONS[args.inject], args.only, timing=not args.no_timing)
