@@ -46,12 +46,12 @@ COLOCATED = "colocated"
 """The policy label of the colocated reference (it admits with train-batch; generation and training alternate)."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class SystemModel:
     """The reference cluster's time model. Defaults: our DAPO-scale assumptions, not published figures (8 vLLM
     engines of 256 sequences at 25 ms per decode step, a trainer at 80k response tokens/s plus 2 s per step, a 5 s
     weight broadcast), which put rollout and trainer throughput within 10% of each other (the trainer slightly
-    slower), the regime where the handoff matters."""
+    slower), the regime where the handoff matters. Not frozen, so Hydra can override its fields."""
 
     num_engines: int = 8
     """Rollout engines of the reference cluster."""
@@ -79,7 +79,7 @@ class SystemModel:
     def __post_init__(self) -> None:
         if min(self.num_engines, self.slots, self.reference_batch_size, self.reference_num_minibatches) < 1:
             raise ValueError(f"SystemModel: engines, slots and reference sizes must be >= 1: {self}")
-        object.__setattr__(self, "inflight", InflightPolicy(self.inflight))
+        self.inflight = InflightPolicy(self.inflight)
 
     def scaled(self, batch_size: int, num_minibatches: int, group_size: int) -> tuple[EngineConfig, TrainerConfig]:
         """Engines and trainer for a batch of ``batch_size`` trajectories in ``num_minibatches`` steps (the rule in
