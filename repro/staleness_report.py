@@ -85,7 +85,8 @@ def plot_frontiers(rows: Sequence[StalenessTrial], scenario: str, path, title: s
     plt = _plt()
     cols = min(6, len(keys))
     nrows = math.ceil(len(keys) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols, 2.6 * nrows), squeeze=False)
+    size = (6.5, 4.5) if len(keys) == 1 else (3.2 * cols, 2.6 * nrows)
+    fig, axes = plt.subplots(nrows, cols, figsize=size, squeeze=False)
     for ax, key in zip(axes.flat, keys):
         lines = defaultdict(list)
         for r in rs:
@@ -101,7 +102,7 @@ def plot_frontiers(rows: Sequence[StalenessTrial], scenario: str, path, title: s
         ax.tick_params(labelsize=7)
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
-    axes[0][0].legend(fontsize=6)
+    axes[0][0].legend(fontsize=6 if len(keys) > 1 else 8)
     fig.supxlabel("throughput (trajectories/s)")
     fig.supylabel("architectural staleness (steps)")
     fig.suptitle(title)
@@ -170,7 +171,8 @@ def plot_all(res: Any, rows: Sequence[Any], timelines: Sequence[tuple[Any, Any]]
     if cfg.dapo.enabled:
         d = cfg.dapo
         plot_frontiers(st, "dapo", res.plot_path("frontier_dapo.png"),
-                       f"headline ({d.prompts_per_batch}x{d.group_size}, M={d.num_minibatches}); dashed: step_start")
+                       f"headline ({d.prompts_per_batch}x{d.group_size}, M={d.num_minibatches}), first seed; "
+                       "dashed: budget released at step start")
         res.text += f"\nStaleness CDF points: {plot_cdf(st, res.plot_path('staleness_cdf_dapo.png'), d.cdf_budget)}.\n"
         plot_timelines(timelines, res.plot_path("timeline_dapo.png"))
     if cfg.sweep.enabled:
