@@ -49,7 +49,7 @@ test-vllm:
 	  $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/e2e/test_vllm_engine.py
 
 gate: $(STAMP)
-	$(PY) -m repro.gate
+	$(PY) -m repro.gates
 	$(MAKE) --no-print-directory bench-gate
 
 repro: $(STAMP)

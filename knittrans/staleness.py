@@ -9,6 +9,18 @@ The version definitions (policy version, ``v_gen``, ``v_train``, staleness) are 
   The headline metric is ``1 - A(KnitTrans) / A(train-batch)``.
 - **Admission delay** (seconds): time from a trajectory's completion to the start of the step that consumes it.
 - **Throughput**: trajectories (and response tokens) consumed per second of steady state.
+- **Matched comparison** (``matched_reductions``): policies are compared on the staleness-throughput frontier,
+  never at one budget. For every train-batch Pareto point, KnitTrans's architectural staleness at equal or
+  higher throughput is read off KnitTrans's own Pareto front, linearly between its neighbouring points
+  (alternating those two budgets reaches about that point, so it is an operating point, not an extrapolation,
+  and it is conservative next to the front's convex hull). The interpolation keeps the matched value from
+  jumping between budgets of a coarse grid.
+- **Bounded reduction** (``bounded_reduction``): the headline ratio ``1 - A_kt / A_tb`` explodes as ``A_tb -> 0``
+  and passes 1 when KnitTrans runs below the colocated reference (``A_kt < 0``). We report
+  ``clip(1 - max(A_kt, 0) / A_tb, -1, 1)``, only where ``A_tb >= MIN_ARCH_STALENESS`` (one optimizer step: the
+  resolution of staleness; below it there is no architectural staleness to reduce), and -1 where KnitTrans
+  cannot reach the train-batch point's throughput at all (within ``THROUGHPUT_TIE``). Range [-1, 1]; 1 means
+  "at or below the colocated reference".
 
 Metrics are taken over a steady-state window: the steps after the first ``warmup_batches`` batches' worth of
 steps (the pipeline fill), so that throughput and staleness are not dominated by the start-up transient.
@@ -21,13 +33,25 @@ Example::
     (1.5, 3.0)
     >>> colocated_mean_staleness(16)
     7.5
+    >>> bounded_reduction(a_knittrans=-0.5, a_train_batch=7.5), bounded_reduction(0.75, 7.5)
+    (1.0, 0.9)
+    >>> bounded_reduction(0.1, 0.2) is None   # under one step of architectural staleness: nothing to reduce
+    True
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
+
+MIN_ARCH_STALENESS = 1.0
+"""Train-batch points with less architectural staleness than this (steps) give no reduction to measure."""
+THROUGHPUT_TIE = 0.01
+"""Relative throughput difference treated as a tie when matching at the top of a front: where both policies are
+trainer-bound they run at the same rate and differ only by which trajectories fill the window's steps."""
 
 
 def colocated_mean_staleness(num_minibatches: int) -> float:
@@ -117,3 +141,98 @@ def pre_queue_staleness(result) -> np.ndarray:
     done = ~np.isnan(r.t_group_complete)
     v_at = np.searchsorted(ends, r.t_group_complete[done], side="right")
     return v_at - r.v_gen[done]
+
+
+# -- the frontier and the matched comparison -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OperatingPoint:
+    """One run on the staleness-throughput plane."""
+
+    throughput: float
+    """Trajectories consumed per second of steady state."""
+    arch_staleness: float
+    """Mean staleness minus the colocated reference's, in steps."""
+    budget: float = math.nan
+    """The in-flight budget that produced it (for reporting)."""
+
+
+def pareto_front(points: Sequence[OperatingPoint]) -> list[OperatingPoint]:
+    """Points not dominated in (higher throughput, lower architectural staleness), by increasing throughput (so
+    also by increasing staleness). Non-finite points are dropped.
+
+    >>> [p.throughput for p in pareto_front([OperatingPoint(1, 5), OperatingPoint(2, 4), OperatingPoint(1.5, 6),
+    ...                                      OperatingPoint(3, 8)])]
+    [2, 3]
+    """
+    ok = [p for p in points if math.isfinite(p.throughput) and math.isfinite(p.arch_staleness)]
+    front = [p for p in ok if not any(
+        q.throughput >= p.throughput and q.arch_staleness <= p.arch_staleness
+        and (q.throughput > p.throughput or q.arch_staleness < p.arch_staleness) for q in ok)]
+    front = sorted(front, key=lambda p: (p.throughput, p.arch_staleness))
+    return [p for i, p in enumerate(front) if i == 0 or p != front[i - 1]]
+
+
+def frontier_staleness(points: Sequence[OperatingPoint], throughput: float,
+                       tie: float = THROUGHPUT_TIE) -> float | None:
+    """The lowest architectural staleness reachable at ``throughput`` or more along the points' Pareto front:
+    linear between the two front points around ``throughput``; the front's first point when it is already
+    faster; the fastest point when it is within ``tie`` (relative) of ``throughput``; None otherwise.
+
+    >>> pts = [OperatingPoint(1.0, 0.0), OperatingPoint(2.0, 4.0)]
+    >>> frontier_staleness(pts, 0.5), frontier_staleness(pts, 1.5), frontier_staleness(pts, 2.5)
+    (0.0, 2.0, None)
+    """
+    front = pareto_front(points)
+    if not front:
+        return None
+    if throughput > front[-1].throughput:
+        return front[-1].arch_staleness if throughput <= front[-1].throughput * (1.0 + tie) else None
+    if throughput <= front[0].throughput:
+        return front[0].arch_staleness
+    for lo, hi in zip(front, front[1:]):
+        if lo.throughput <= throughput <= hi.throughput:
+            w = (throughput - lo.throughput) / (hi.throughput - lo.throughput)
+            return lo.arch_staleness + w * (hi.arch_staleness - lo.arch_staleness)
+    return front[-1].arch_staleness  # unreachable: the loop covers [first, last]
+
+
+def bounded_reduction(a_knittrans: float | None, a_train_batch: float,
+                      min_arch: float = MIN_ARCH_STALENESS) -> float | None:
+    """``clip(1 - max(A_kt, 0) / A_tb, -1, 1)`` (module docstring); None when ``A_tb < min_arch``; -1 when
+    KnitTrans has no matching point (``a_knittrans`` None)."""
+    if not a_train_batch >= min_arch:
+        return None
+    if a_knittrans is None:
+        return -1.0
+    return float(min(1.0, max(-1.0, 1.0 - max(a_knittrans, 0.0) / a_train_batch)))
+
+
+@dataclass(frozen=True)
+class MatchedPoint:
+    train_batch: OperatingPoint
+    arch_knittrans: float | None
+    """KnitTrans's architectural staleness at equal or higher throughput (None: it never gets that fast)."""
+    reduction: float
+    """``bounded_reduction`` of the pair, in [-1, 1]."""
+
+
+def matched_reductions(knittrans: Sequence[OperatingPoint], train_batch: Sequence[OperatingPoint],
+                       min_arch: float = MIN_ARCH_STALENESS) -> list[MatchedPoint]:
+    """One ``MatchedPoint`` for every train-batch Pareto point with ``A_tb >= min_arch`` (by throughput).
+
+    >>> tb = [OperatingPoint(2.0, 4.0), OperatingPoint(3.0, 8.0)]
+    >>> kt = [OperatingPoint(1.0, 0.1), OperatingPoint(2.5, 2.0), OperatingPoint(3.0, 4.0)]
+    >>> [round(m.arch_knittrans, 3) for m in matched_reductions(kt, tb)]  # 2/3 of the way from (1, 0.1) to (2.5, 2)
+    [1.367, 4.0]
+    >>> [round(m.reduction, 3) for m in matched_reductions(kt, tb)]
+    [0.658, 0.5]
+    """
+    out = []
+    for q in pareto_front(train_batch):
+        a_kt = frontier_staleness(knittrans, q.throughput)
+        r = bounded_reduction(a_kt, q.arch_staleness, min_arch)
+        if r is not None:
+            out.append(MatchedPoint(q, a_kt, r))
+    return out

@@ -26,7 +26,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, EnumMeta
 from functools import cached_property
 from typing import TYPE_CHECKING, Mapping, NewType
 
@@ -42,7 +42,27 @@ BatchId = int
 # -- the shared vocabulary: one set of enums for the runtime, the simulator, the handoff and the Hydra configs ------
 
 
-class ExecutionMode(str, Enum):
+class ValueNamedEnum(EnumMeta):
+    """``Kind["value"]`` finds a member by its value as well as by its name. OmegaConf (2.3) converts a string
+    into an enum-typed field with ``Kind[string]``, i.e. by *name* only, so without this a Hydra override had to
+    say ``system.inflight=ABORT`` while every log, row and doc says ``abort``.
+
+    >>> InflightPolicy["abort"] is InflightPolicy["ABORT"] is InflightPolicy.ABORT
+    True
+    """
+
+    def __getitem__(cls, name):
+        try:
+            return super().__getitem__(name)
+        except KeyError:
+            try:
+                return cls(name)
+            except ValueError:
+                raise KeyError(name) from None
+
+
+
+class ExecutionMode(str, Enum, metaclass=ValueNamedEnum):
     """Where rollout and training run."""
 
     COLOCATED = "colocated"
@@ -52,7 +72,7 @@ class ExecutionMode(str, Enum):
     """On separate resources, concurrently; an admission policy decides what each step consumes."""
 
 
-class AdmissionKind(str, Enum):
+class AdmissionKind(str, Enum, metaclass=ValueNamedEnum):
     """Which admission policy a run uses (``baselines.admission.make_policy`` builds one by kind)."""
 
     KNITTRANS = "knittrans"
@@ -72,7 +92,7 @@ class AdmissionKind(str, Enum):
         return self in (AdmissionKind.TRAIN_BATCH, AdmissionKind.BOUNDED_ASYNC)
 
 
-class SyncPolicy(str, Enum):
+class SyncPolicy(str, Enum, metaclass=ValueNamedEnum):
     """When the trainer's weights reach the rollout engines."""
 
     EVERY_STEP = "every_step"
@@ -82,7 +102,7 @@ class SyncPolicy(str, Enum):
     """After the last mini-batch of every batch."""
 
 
-class InflightPolicy(str, Enum):
+class InflightPolicy(str, Enum, metaclass=ValueNamedEnum):
     """What a weight sync does to requests in flight."""
 
     CONTINUE = "continue"

@@ -11,13 +11,28 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from knittrans.types import ExecutionMode, InflightPolicy, SyncPolicy
+from knittrans.types import ExecutionMode, InflightPolicy, SyncPolicy, ValueNamedEnum
 
 
 class FlowKind(str, enum.Enum):
     GROUPS = "groups"  # at most budget_groups groups dispatched and not yet consumed by the trainer
     AREAL = "areal"  # AReaL: trajectories submitted <= (eta + batches trained + 1) * B
     UNBOUNDED = "unbounded"  # keep every rollout slot busy (the group-queue theory setting)
+
+
+class BudgetRelease(str, enum.Enum, metaclass=ValueNamedEnum):
+    """When a consumed group stops counting against the in-flight budget (``FlowKind.GROUPS`` only).
+
+    The choice moves mean staleness by about one step: in the regime where the budget binds, by Little's law a
+    group spends ``budget_groups / groups per step`` steps between dispatch and release, and it is consumed one
+    step before its release with ``STEP_END`` and at its release with ``STEP_START``."""
+
+    STEP_END = "step_end"
+    """When the step that consumes its last trajectory ends (the real runtime's convention,
+    ``knittrans.runtime.orchestrator``): the slot is freed once the gradient is applied."""
+    STEP_START = "step_start"
+    """When that step starts (the trainer has taken the data): the next group generates during the step, with the
+    weights the step is about to replace."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +94,15 @@ class FlowConfig:
     """GROUPS: in-flight budget, in groups dispatched to rollout and not yet consumed by the trainer."""
     eta: int = 1
     """AREAL: maximum staleness in training batches (AReaL's max_head_offpolicyness)."""
+    release: BudgetRelease = BudgetRelease.STEP_END
+    """GROUPS: when a consumed group frees its place in the budget (see ``BudgetRelease``)."""
+
+    def __post_init__(self) -> None:
+        if self.budget_groups < 1 or self.eta < 0:
+            raise ValueError(f"FlowConfig: budget_groups must be >= 1 and eta >= 0, got {self.budget_groups}, "
+                             f"{self.eta}")
+        object.__setattr__(self, "kind", FlowKind(self.kind))
+        object.__setattr__(self, "release", BudgetRelease(self.release))
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ Model (every knob in ``knittrans.sim.config``):
   Between events the active set is constant, so each engine runs on a virtual token clock and the next completion
   time is computed in closed form: the cost is per trajectory, not per token.
 - **Flow control.** Whether the next group may be dispatched: an in-flight budget in groups (dispatched and not
-  yet consumed by the trainer), AReaL's capacity rule, or unbounded.
+  yet consumed by the trainer; a consumed group frees its place when its step ends or when it starts,
+  ``BudgetRelease``), AReaL's capacity rule, or unbounded.
 - **Trainer.** One optimizer step per mini-batch, ``step_overhead + per_token * tokens`` seconds. When idle it asks
   the admission policy for mini-batches (after every step and whenever a trajectory completes).
 - **Weight sync.** Every step, every k steps or every batch; both sides pause for ``cost`` seconds; in-flight
@@ -30,7 +31,7 @@ from typing import Sequence
 import numpy as np
 
 from knittrans.admission.base import AdmissionPolicy, AdmissionStats
-from knittrans.sim.config import FlowKind, SimConfig
+from knittrans.sim.config import BudgetRelease, FlowKind, SimConfig
 from knittrans.types import ExecutionMode, InflightPolicy, MiniBatch, SyncPolicy, Trajectory, WorkloadBatch
 
 
@@ -352,6 +353,18 @@ class Simulator:
         self.trainer_busy = True
         self._current = mb
         self._push(self.now + dur, _TRAINER_DONE, len(self.steps) - 1)
+        if self.cfg.flow.release is BudgetRelease.STEP_START:
+            self._release(mb)
+            self._dispatch()  # the freed budget lets rollout start new groups while this step computes
+
+    def _release(self, mb: MiniBatch) -> None:
+        """Free the budget of every group whose last trajectory ``mb`` consumes (``FlowConfig.release`` says when
+        this runs: at the start or at the end of the consuming step)."""
+        for tid in mb.traj_ids:
+            gi = int(self.traj_group[tid])
+            self.group_unconsumed[gi] -= 1
+            if self.group_unconsumed[gi] == 0:
+                self.inflight_groups -= 1
 
     def _set_engine_slowdown(self, slow: float) -> None:
         if not self.cfg.engine.interference:
@@ -366,11 +379,8 @@ class Simulator:
         self.trainer_busy = False
         self._set_engine_slowdown(1.0)
         self.version += 1
-        for tid in mb.traj_ids:
-            gi = int(self.traj_group[tid])
-            self.group_unconsumed[gi] -= 1
-            if self.group_unconsumed[gi] == 0:
-                self.inflight_groups -= 1
+        if self.cfg.flow.release is BudgetRelease.STEP_END:
+            self._release(mb)
         self.consumed += len(mb.traj_ids)
         last_of_batch = mb.index == self.M - 1
         if last_of_batch:

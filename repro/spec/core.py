@@ -69,6 +69,11 @@ def trial(table: str) -> Callable[[type[Trial]], type[Trial]]:
 def row_from_dict(type_name: str, data: dict[str, Any]) -> Trial:
     """Rebuild a logged row. Unknown fields are an error (a log from another version of the spec)."""
     cls = TRIAL_TYPES.get(type_name)
+    if cls is None:  # the table modules register their row types when imported: load the whole spec once
+        import repro.spec
+
+        repro.spec.claims()
+        cls = TRIAL_TYPES.get(type_name)
     if cls is None:
         raise ValueError(f"unknown trial-row type {type_name!r} (known: {sorted(TRIAL_TYPES)})")
     names = {f.name for f in dataclasses.fields(cls)}

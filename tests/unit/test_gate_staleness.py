@@ -1,0 +1,84 @@
+"""The staleness gate (``repro.gates`` over ``repro.staleness.gate_trials``) holds on this code and fails, claim by
+claim, when a regression is injected into product code (the admission policies, the simulator)."""
+
+import pytest
+
+import baselines.admission
+import knittrans.admission.minibatch as minibatch
+from baselines.admission import TrainBatchAdmission
+from knittrans.admission.feasibility import Solution, Verdict
+from knittrans.admission.minibatch import KnitTransAdmission
+from knittrans.sim.simulator import Simulator
+from repro.gates import evaluate_gate, run_gate
+from repro.spec.core import Status
+from repro.staleness import gate_trials
+
+
+def _gate(monkeypatch=None) -> dict:
+    return {v.claim.name: v for v in evaluate_gate("staleness", gate_trials())}
+
+
+def test_the_staleness_gate_holds_without_injection():
+    out = run_gate("staleness")
+    assert not out.skipped
+    names = {v.claim.name for v in out.verdicts}
+    assert {"arch_staleness_reduction", "throughput_ratio", "greedy_dead_ends", "knittrans_violations",
+            "littles_law_error"} <= names
+    assert all(v.status is Status.HOLDS for v in out.verdicts), [line for line in out.lines() if "ok" not in line]
+
+
+def test_knittrans_waiting_for_the_whole_batch_fails_the_reduction(monkeypatch):
+    # the regression the headline guards: mini-batch admission degenerates into train-batch admission
+    monkeypatch.setattr(KnitTransAdmission, "on_trainer_ready", TrainBatchAdmission.on_trainer_ready)
+    v = _gate()["arch_staleness_reduction"]
+    assert v.status is Status.FAILS and v.measured.value < 0.1
+
+
+def test_a_missed_wakeup_in_knittrans_fails_the_throughput_ratio(monkeypatch):
+    # after committing a mini-batch the policy forgets that more may be ready, so it re-checks only when the next
+    # trajectory completes: the trainer waits on rollout it does not need, and stalls once rollout is done
+    original = KnitTransAdmission.on_trainer_ready
+
+    def forgetful(self, now):
+        out = original(self, now)
+        self._dirty = False
+        return out
+
+    monkeypatch.setattr(KnitTransAdmission, "on_trainer_ready", forgetful)
+    v = _gate()["throughput_ratio"]
+    assert v.status is Status.FAILS and v.measured.value < 0.99
+
+
+def test_a_feasibility_check_that_always_says_feasible_fails_no_dead_ends(monkeypatch):
+    monkeypatch.setattr(minibatch, "solve", lambda *a, **k: Solution(Verdict.FEASIBLE, exact=True))
+    v = _gate()["knittrans_violations"]
+    assert v.status is Status.FAILS and v.measured.value >= 1
+
+
+def test_a_greedy_baseline_that_cannot_dead_end_fails_the_scenario_check(monkeypatch):
+    # the variable-group scenario must keep exercising feasibility: if the baseline it is measured against
+    # (greedy streaming, no look-ahead) stopped dead-ending there, knittrans_violations == 0 would prove nothing
+    monkeypatch.setattr(baselines.admission, "GreedyStreamingAdmission", KnitTransAdmission)
+    v = _gate()["greedy_dead_ends"]
+    assert v.status is Status.FAILS and v.measured.value == 0
+
+
+def test_releasing_the_budget_a_step_late_fails_littles_law(monkeypatch):
+    # the simulator frees a consumed group's budget place one step after the convention says
+    original = Simulator._release
+
+    def late(self, mb):
+        previous, self._late = getattr(self, "_late", None), mb
+        if previous is not None:
+            original(self, previous)
+
+    monkeypatch.setattr(Simulator, "_release", late)
+    v = _gate()["littles_law_error"]
+    assert v.status is Status.FAILS and v.measured.value > 0.10
+
+
+@pytest.mark.parametrize("table", ["staleness"])
+def test_the_gate_module_is_registered_in_the_spec(table):
+    from repro.spec import gate_modules
+
+    assert gate_modules()[table] == "repro.staleness"
