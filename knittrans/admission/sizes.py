@@ -298,11 +298,12 @@ class SizeSearch:
         lo_t = max(first.lo, total - (k - 1) * rest.hi)
         hi_t = min(first.hi, total - (k - 1) * rest.lo)
         for v in self._vectors(r, -1, lo_t, hi_t, first):
-            if v in seen or not rest.splits(total - self.total(v), k - 1):
-                continue
             if budget[0] <= 0:
                 self.complete = False
                 return
+            if v in seen or not rest.splits(total - self.total(v), k - 1):
+                budget[0] -= 1
+                continue
             seen.add(v)
             if ok(v):
                 yield v
