@@ -29,7 +29,8 @@ So a decision is re-run after a commit or a new batch, when a unit of the curren
 only if the last wait was caused by tokens (step 3 reached), when a partial arrival lowers an in-flight group's
 token bound. Every other arrival (a partial group while sizes block; anything of a later batch) leaves every
 input the decision reads unchanged, so it cannot change the answer. A size-only wait cannot be undone by a lower
-token bound because the size-only question ignores tokens.
+token bound because the size-only question ignores tokens. ``skip_unchanged=False`` is the plain twin that
+decides whenever asked; a property test checks that both commit the same mini-batches at the same arrivals.
 
 Guarantees:
 
@@ -150,11 +151,13 @@ class KnitTransAdmission(LedgerPolicy):
 
     def __init__(self, constraints: BatchConstraints, node_limit: int = DEFAULT_NODE_LIMIT,
                  exhaustive_max: int = 40, subset_limit: int = 4096,
-                 oracle_tokens: Callable[[int], int] | None = None) -> None:
+                 oracle_tokens: Callable[[int], int] | None = None, skip_unchanged: bool = True) -> None:
         super().__init__(constraints, oracle_tokens)
         self.node_limit = node_limit
         self.exhaustive_max = exhaustive_max
         self.subset_limit = subset_limit
+        self.skip_unchanged = skip_unchanged
+        """False: the plain twin, which re-runs the decision whenever the trainer asks (tests compare the two)."""
         c = constraints
         self._span = Span.of(c.allowed_sizes())
         self._robust = Span.of(c.robust_sizes())
@@ -176,7 +179,7 @@ class KnitTransAdmission(LedgerPolicy):
 
     def on_trainer_ready(self, now: float) -> list[MiniBatch]:
         b = self.ledger.current()
-        if b is None or not self._dirty:
+        if b is None or not (self._dirty or not self.skip_unchanged):
             return []
         self._stats.decisions += 1
         mb = self._compose(b)
