@@ -129,14 +129,17 @@ def make_instance(case: CaseConf, batch_size: int, num_minibatches: int, max_res
     """The constraints, the batch plan and its trajectories in (shuffled) completion order."""
     rng = random.Random(seed)
     c = constraints_for(case, batch_size, num_minibatches, max_response_len)
+    why: Exception | None = None
     for _ in range(100):  # variable sizes at a small B may not split into M exact mini-batches: draw again
         sizes = group_sizes(case, batch_size, rng)
         plan = BatchPlan(0, tuple(GroupSpec(g, 0, s) for g, s in enumerate(sizes)))
         try:
             check_plan(c, plan)
             break
-        except ConstraintError:
-            continue
+        except ConstraintError as e:
+            why = e
+    else:
+        raise ConstraintError(f"case {case.name}: no plan of 100 drawn at batch_size={batch_size} fits {c}: {why}")
     trajs, tid = [], 0
     for g, s in enumerate(sizes):
         for _ in range(s):
