@@ -123,6 +123,10 @@ class BatchLedger:
         # Clairvoyant bound only: the true token count of an in-flight group (by group id), in place of the
         # max_response_len upper bound.
         self._oracle = oracle_tokens
+        # read on every arrival: plain attributes, not properties of the constraints
+        self._whole = constraints.whole_groups
+        self._max_len = constraints.max_response_len
+        self._reach_mask = (2 << constraints.max_minibatch_size) - 1  # subset sums up to the largest mini-batch
 
     # -- messages --------------------------------------------------------------------------------------------
 
@@ -152,7 +156,8 @@ class BatchLedger:
             self._group_batch[g.group_id] = plan.batch_id
 
     def add(self, t: Trajectory) -> GroupState:
-        """Validate and record a completed trajectory; returns its group's state."""
+        """Validate and record a completed trajectory; returns its group's state. O(1): this runs once per
+        trajectory, so it reads and writes only the arrival's group and its batch's running sums."""
         if not isinstance(t, Trajectory):
             raise AdmissionError(f"expected a Trajectory, got {type(t).__name__}")
         b = self.batches.get(t.batch_id)
@@ -163,38 +168,48 @@ class BatchLedger:
             raise AdmissionError(f"trajectory {t.traj_id}: group {t.group_id} is unknown to batch {t.batch_id}")
         if t.traj_id in self._traj_ids:
             raise AdmissionError(f"duplicate trajectory id {t.traj_id}")
-        if len(g.arrived) >= g.spec.size:
+        arrived, size, n = g.arrived, g.spec.size, t.num_tokens
+        if len(arrived) >= size:
             raise AdmissionError(f"trajectory {t.traj_id}: group {t.group_id} already has its declared "
-                                 f"{g.spec.size} trajectories (a group larger than declared)")
-        if t.num_tokens > self.c.max_response_len:
-            raise AdmissionError(f"trajectory {t.traj_id}: num_tokens={t.num_tokens} exceeds max_response_len="
-                                 f"{self.c.max_response_len}")
+                                 f"{size} trajectories (a group larger than declared)")
+        if n > self._max_len:
+            raise AdmissionError(f"trajectory {t.traj_id}: num_tokens={n} exceeds max_response_len="
+                                 f"{self._max_len}")
         # validated: now mutate
         self._traj_ids.add(t.traj_id)
-        b.pending_tokens -= self._pending_bound(g)
-        g.arrived.append(t)
-        g.tokens += t.num_tokens
+        if self._oracle is not None:
+            b.pending_tokens -= self._pending_bound(g)
+        elif self._whole:
+            b.pending_tokens += n - self._max_len  # one missing response (bound L) became n known tokens
+        else:
+            b.pending_tokens -= self._max_len  # one missing trajectory (a pending unit at L) became ready
+        arrived.append(t)
+        g.tokens += n
         b.arrived += 1
         seq = next(self._seq)
-        if self.c.whole_groups:
-            if g.complete:
+        complete = len(arrived) == size
+        if self._whole:
+            if complete:
                 g.ready_seq = seq
-                b.ready_groups.append(g.spec.group_id)
-                del b.pending[g.spec.group_id]
-                b.pending_sizes[g.spec.size] -= 1
-                b.pending_size -= g.spec.size
-                self._add_ready(b, Unit(g.spec.group_id, g.spec.size, g.tokens, True, seq))
-            else:
+                gid = g.spec.group_id
+                b.ready_groups.append(gid)
+                del b.pending[gid]
+                b.pending_sizes[size] -= 1
+                b.pending_size -= size
+                if self._oracle is None:
+                    b.pending_tokens -= g.tokens  # the bound of a complete group is its tokens: it leaves
+                self._add_ready(b, Unit(gid, size, g.tokens, True, seq))
+            elif self._oracle is not None:
                 b.pending_tokens += self._pending_bound(g)
         else:
             b.ready_trajs[t.traj_id] = (seq, t)
             b.pending_sizes[1] -= 1
             b.pending_size -= 1
-            if g.complete:
+            if complete:
                 del b.pending[g.spec.group_id]
-            else:
+            elif self._oracle is not None:
                 b.pending_tokens += self._pending_bound(g)
-            self._add_ready(b, Unit(t.traj_id, 1, t.num_tokens, True, seq))
+            self._add_ready(b, Unit(t.traj_id, 1, n, True, seq))
         return g
 
     def _pending_bound(self, g: GroupState) -> int:
@@ -205,8 +220,8 @@ class BatchLedger:
         if not missing:
             return 0
         if self._oracle:
-            return self._oracle(g.spec.group_id) - (0 if self.c.whole_groups else g.tokens)
-        return (g.tokens if self.c.whole_groups else 0) + missing * self.c.max_response_len
+            return self._oracle(g.spec.group_id) - (0 if self._whole else g.tokens)
+        return (g.tokens if self._whole else 0) + missing * self._max_len
 
     def _add_ready(self, b: BatchState, u: Unit) -> None:
         b.ready_units[u.key] = u
@@ -214,10 +229,6 @@ class BatchLedger:
         b.ready_size += u.size
         b.ready_tokens += u.tokens
         b.ready_reach = (b.ready_reach | (b.ready_reach << u.size)) & self._reach_mask
-
-    @property
-    def _reach_mask(self) -> int:
-        return (2 << self.c.max_minibatch_size) - 1
 
     # -- views -----------------------------------------------------------------------------------------------
 

@@ -166,6 +166,11 @@ class KnitTransAdmission(LedgerPolicy):
         self._tokens_bind = self._robust != self._span
         # closed form applies when tokens can never bind and every unit has the same size
         self._uniform = not self._tokens_bind and (c.group_size is not None or not c.whole_groups)
+        self._g = (c.group_size or 1) if c.whole_groups else 1  # the uniform unit size
+        self._allowed = c.allowed_sizes()
+        # units per mini-batch the closed form tries, nominal first
+        self._per_bin = sorted({s // self._g for s in self._allowed if s % self._g == 0},
+                               key=lambda t: abs(t * self._g - c.minibatch_size))
         # The last wait was caused by tokens: only then can a partial arrival (which lowers an in-flight group's
         # token bound but makes no unit ready) change the answer. See the module docstring.
         self._blocked_by_tokens = False
@@ -295,18 +300,14 @@ class KnitTransAdmission(LedgerPolicy):
     def _compose_uniform(self, b: BatchState, k: int) -> MiniBatch | None:
         """Closed form for uniform units and no binding token budget: take the oldest t ready units, with t the
         nominal allowed count for which the rest stays splittable into k - 1 mini-batches."""
-        c = self.constraints
-        g = c.group_size if c.whole_groups else 1
-        assert g is not None
+        g = self._g
         ready_n = len(b.ready_units)
         remaining = b.remaining_size // g  # units left in the batch, ready or in flight (O(1): kept by the ledger)
-        per_bin = sorted({s // g for s in c.allowed_sizes() if s % g == 0},
-                         key=lambda t: abs(t * g - c.minibatch_size))
-        for t in per_bin:
+        for t in self._per_bin:
             if t > ready_n:
                 continue
             if (k == 1 and t == remaining) or (k > 1 and _uniform_counts(remaining - t, g, k - 1,
-                                                                           c.allowed_sizes()) is not None):
+                                                                           self._allowed) is not None):
                 # ready_units is insertion-ordered, i.e. in completion order
                 return self.ledger.commit(b, list(itertools.islice(b.ready_units.values(), t)))
         return None

@@ -199,6 +199,67 @@ def test_knittrans_never_reaches_a_dead_end_without_exhaustive_search(inst):
     check_valid_and_exactly_once(inst, mbs)
 
 
+# -- the ledger's running sums equal a recount -------------------------------------------------------------------
+
+
+def assert_ledger_equals_recount(ledger, c: BatchConstraints, oracle) -> None:
+    """Every incremental field of every batch in the ledger, recounted from its groups and the definitions."""
+    L = c.max_response_len
+    hi = c.max_minibatch_size
+    for b in ledger.batches.values():
+        ready_keys, ready_sizes, pend_sizes, pend_tokens, reach = [], {}, {}, 0, 1
+        for g in b.plan.groups:
+            st = b.groups[g.group_id]
+            assert st.tokens == sum(t.num_tokens for t in st.arrived)
+            missing = g.size - len(st.arrived)
+            if c.whole_groups:
+                if missing == 0 and not st.consumed:
+                    ready_keys.append(g.group_id)
+                    ready_sizes[g.size] = ready_sizes.get(g.size, 0) + 1
+                    reach |= reach << g.size
+                if missing:
+                    pend_sizes[g.size] = pend_sizes.get(g.size, 0) + 1
+                    pend_tokens += oracle(g.group_id) if oracle else st.tokens + missing * L
+            else:
+                for t in st.arrived:
+                    if t.traj_id not in b.consumed_traj:
+                        ready_keys.append(t.traj_id)
+                        ready_sizes[1] = ready_sizes.get(1, 0) + 1
+                        reach |= reach << 1
+                if missing:
+                    pend_sizes[1] = pend_sizes.get(1, 0) + missing
+                    pend_tokens += (oracle(g.group_id) - st.tokens) if oracle else missing * L
+        assert sorted(b.ready_units) == sorted(ready_keys)
+        assert {s: n for s, n in b.ready_sizes.items() if n} == ready_sizes
+        assert {s: n for s, n in b.pending_sizes.items() if n} == pend_sizes
+        assert b.pending_tokens == pend_tokens
+        assert b.ready_reach == reach & ((2 << hi) - 1)
+        ready, pending = ledger.units(b)
+        assert b.ready_size == sum(u.size for u in ready) and b.ready_tokens == sum(u.tokens for u in ready)
+        assert b.pending_size == sum(u.size for u in pending) and b.pending_tokens == sum(u.tokens for u in pending)
+        assert b.remaining_size == b.plan.num_trajectories - len(b.consumed_traj)
+
+
+@settings(max_examples=200)
+@given(instances(max_groups=6, max_batches=2), st.booleans())
+def test_the_ledgers_running_sums_equal_a_recount(inst, clairvoyant):
+    """The ledger keeps ready and pending units incrementally (no rebuild per decision); after every arrival and
+    every commit each running sum, count, token bound and subset-sum bitset equals a recount from the groups."""
+    totals: dict[int, int] = {}
+    for t in inst.trajs:
+        totals[t.group_id] = totals.get(t.group_id, 0) + t.num_tokens
+    oracle = totals.__getitem__ if clairvoyant else None
+    policy = KnitTransAdmission(inst.c, oracle_tokens=oracle)
+    for plan in inst.plans:
+        policy.add_batch(plan)
+    assert_ledger_equals_recount(policy.ledger, inst.c, oracle)
+    for t in inst.trajs:
+        policy.on_complete(t)
+        assert_ledger_equals_recount(policy.ledger, inst.c, oracle)
+        while policy.on_trainer_ready(0.0):
+            assert_ledger_equals_recount(policy.ledger, inst.c, oracle)
+
+
 # -- (d): KnitTrans admits exactly when brute force says a robustly safe mini-batch exists ----------------------
 
 
