@@ -12,8 +12,10 @@ That is bin packing with cardinalities: NP-hard in general, easy in the cases th
 - **exact, closed form**: no binding token budget and all units of one size g (uniform GRPO groups, or single
   trajectories): k allowed sizes sum to the total iff the total is a multiple of the step and lies in
   [k * smallest, k * largest] (sums of k terms of an arithmetic progression cover every step in that range);
-- **exact, search**: otherwise a memoized depth-first search (over size counts when tokens cannot bind, over
-  units when they can), bounded by ``node_limit`` nodes;
+- **exact, search**: otherwise, when tokens cannot bind, first a constructive greedy over size counts
+  (``sizes.SizeSearch.greedy``: bin by bin, an exact bounded subset sum; a split it builds is a proof), then a
+  memoized depth-first search (over size counts when tokens cannot bind, over units when they can), bounded by
+  ``node_limit`` nodes;
 - **sound, witness**: if the search runs out of nodes, a constructive heuristic builds a partition and checks it;
   a checked partition proves feasibility, and when none is found the answer is ``UNKNOWN``, which admission
   treats as "not provably safe" and does not admit. So the check is exact on small instances and sound (never
@@ -37,6 +39,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from knittrans.admission.sizes import SizeSearch, Span
+from knittrans.admission.sizes import uniform_counts as _uniform_counts
 from knittrans.constraints import BatchConstraints, ConstraintError
 from knittrans.types import BatchPlan, GroupSpec  # noqa: F401 - GroupSpec: doctest
 
@@ -161,31 +165,6 @@ def check_plan(c: BatchConstraints, plan: BatchPlan) -> None:
 # -- sizes only ------------------------------------------------------------------------------------------------
 
 
-def _uniform_counts(total_units: int, g: int, k: int, sizes: list[int]) -> list[int] | None:
-    """Units per bin for k bins of uniform units of size g, or None. Closed form (see module docstring)."""
-    per_bin = sorted({s // g for s in sizes if s % g == 0})
-    if not per_bin:
-        return None
-    step = per_bin[1] - per_bin[0] if len(per_bin) > 1 else 1
-    # allowed sizes are an arithmetic progression of step lcm(unit, D); divided by g they stay one.
-    a, b = per_bin[0], per_bin[-1]
-    if len(per_bin) > 1 and any(y - x != step for x, y in zip(per_bin, per_bin[1:])):  # pragma: no cover
-        raise AssertionError("allowed sizes are not an arithmetic progression")
-    if not (k * a <= total_units <= k * b):
-        return None
-    extra = total_units - k * a
-    if len(per_bin) == 1:
-        return [a] * k if extra == 0 else None
-    if extra % step:
-        return None
-    counts, extra = [a] * k, extra // step
-    for i in range(k):  # spread evenly: bins differ by at most one step
-        add = extra // (k - i)
-        counts[i] += add * step
-        extra -= add
-    return counts
-
-
 def _solve_counts(units: Sequence[Unit], k: int, sizes: list[int], node_limit: int,
                   want_witness: bool) -> Solution:
     by_size: dict[int, list[Unit]] = {}
@@ -203,6 +182,11 @@ def _solve_counts(units: Sequence[Unit], k: int, sizes: list[int], node_limit: i
         return Solution(Verdict.FEASIBLE, True, bins)
 
     size_list = sorted(by_size, reverse=True)
+    # A constructive greedy over count vectors first (cheap: bounded subset sums per bin): a split it builds is a
+    # proof. Only when it gets stuck, the exact search below (whose node budget large instances exhaust).
+    greedy = SizeSearch(size_list).greedy(tuple(len(by_size[s]) for s in size_list), k, Span.of(sizes))
+    if greedy is not None:
+        return Solution(Verdict.FEASIBLE, True, _materialize(greedy, by_size, size_list) if want_witness else None)
     allowed = set(sizes)
     memo: dict[tuple[tuple[int, ...], int], tuple[tuple[int, ...], ...] | None] = {}
     nodes = [0]
