@@ -18,7 +18,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PYTHONUNBUFFERED := 1
 
 # Tables run by `make repro`, in order: module[:override,override...] (Hydra overrides after the colon).
-TABLES ?= staleness simcheck kernels transfer:workload=text transfer:workload=multimodal speedup quality reliability
+TABLES ?= staleness admission simcheck kernels transfer:workload=text transfer:workload=multimodal speedup quality reliability
 
 .PHONY: all setup test test-vllm gate repro bench bench-save bench-gate clean
 
@@ -62,7 +62,7 @@ repro: $(STAMP)
 # fresh run against the latest saved baseline and fails on a median more than BENCH_FAIL slower: generous,
 # because these machines are shared and noisy. Record your own baseline on your hardware with make bench-save.
 BENCH_STORE := file://tests/bench/baselines
-BENCH_SEL ?= -k "not (token_budget and 8192)"
+BENCH_SEL ?=
 BENCH_FAIL ?= median:300%
 bench: $(STAMP)
 	$(PY) -m pytest -q tests/bench --benchmark-enable --benchmark-only

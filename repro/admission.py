@@ -36,7 +36,8 @@ from knittrans.admission import KnitTransAdmission, check_plan
 from knittrans.constraints import BatchConstraints, ConstraintError
 from knittrans.types import BatchPlan, GroupSpec, Trajectory
 from repro.logger import publish
-from repro.results import Claim, Results
+from repro.results import Results
+from repro.spec.admission import AdmissionTrial
 
 
 @dataclass
@@ -220,7 +221,7 @@ def profile_reason(c: BatchConstraints, plan: BatchPlan, trajs: list[Trajectory]
     return ", ".join(f"{fn[2]} ({fn[0].rsplit('/', 1)[-1]}:{fn[1]}) {v[2] / total:.0%}" for fn, v in rows)
 
 
-def measure_case(cfg: AdmissionConf, case: CaseConf) -> dict:
+def measure_case(cfg: AdmissionConf, case: CaseConf) -> tuple[dict, list[AdmissionTrial]]:
     c, plan, trajs = make_instance(case, cfg.batch_size, cfg.num_minibatches, cfg.max_response_len, cfg.seed)
     whole, rounds = [], []
     for _ in range(max(1, cfg.repeats)):  # interleaved, so load on a shared machine hits both kinds alike
@@ -245,21 +246,11 @@ def measure_case(cfg: AdmissionConf, case: CaseConf) -> dict:
         if cfg.profile_misses:
             why.append("profile: " + profile_reason(c, plan, trajs, cfg.deadline_s))
         row["reason"] = "; ".join(why)
-    return row
-
-
-def add_claims(results: Results, cfg: AdmissionConf) -> None:
-    for r in results.rows:
-        us_note = (f"median of {cfg.repeats} rounds, [{r['us_per_traj_min']:.1f}, {r['us_per_traj_max']:.1f}] us; "
-                   f"goal <= {cfg.goal_us_per_traj:g} us")
-        p99_note = f"per arrival, median of {cfg.repeats} rounds; max {r['max_ms']:.2f} ms; goal <= {cfg.goal_p99_ms:g} ms"
-        if r["reason"]:
-            us_note += f"; {r['reason']}"
-            p99_note += f"; {r['reason']}"
-        results.claims.append(Claim(f"{r['case']}_us_per_traj", f"<= {cfg.goal_us_per_traj:g}", r["us_per_traj"],
-                                    "us", bool(r["us_goal_met"]), us_note))
-        results.claims.append(Claim(f"{r['case']}_p99_ms", f"<= {cfg.goal_p99_ms:g}", r["p99_ms"], "ms",
-                                    bool(r["p99_goal_met"]), p99_note))
+    trials = [AdmissionTrial(cfg.seed, case.name, cfg.batch_size, cfg.num_minibatches, kind,
+                             r.us_per_traj(cfg.batch_size), r.quantile_ms(0.99), r.quantile_ms(1.0), r.finished,
+                             r.unknown, row["reason"])
+              for pair in zip(whole, rounds) for kind, r in zip(("whole", "per_arrival"), pair)]
+    return row, trials
 
 
 def notes(cfg: AdmissionConf) -> str:
@@ -274,15 +265,26 @@ def notes(cfg: AdmissionConf) -> str:
 
 def run(cfg: AdmissionConf) -> Results:
     results = Results(table="admission", out_dir=cfg.out_dir)
+    trials: list[AdmissionTrial] = []
     for case in cfg.cases:
-        results.rows.append(measure_case(cfg, case))
-        r = results.rows[-1]
+        row, rows = measure_case(cfg, case)
+        results.rows.append(row)
+        trials += rows
+        r = row
         print(f"{r['case']:>36}: {r['us_per_traj']:9.1f} us/traj [{r['us_per_traj_min']:.1f}, "
               f"{r['us_per_traj_max']:.1f}]  p99 {r['p99_ms']:7.2f} ms  max {r['max_ms']:7.2f} ms"
               + ("" if r["finished"] else "  (not finished)"), flush=True)
-    add_claims(results, cfg)
+    results.set_trials(trials)
     results.text = notes(cfg)
     return results
+
+
+def gate_trials() -> list[AdmissionTrial]:
+    """Every case at the table's size (B = 8192, M = 16: about a second of CPU in all), one round each, against the
+    table's goals; a round is cut at 1 s of CPU (about 20x the slowest case; a cut round fails). A regression that
+    makes decisions scale with the batch shows at this size."""
+    return run(AdmissionConf(out_dir="results/gate/admission", logger="none", repeats=1, deadline_s=1.0,
+                             profile_misses=False)).trials
 
 
 @hydra.main(config_path="conf", config_name="admission", version_base=None)

@@ -118,7 +118,7 @@ def fmt_measured(d: dict[str, Any]) -> str:
     """``value [low, high]`` of a verdict dict, or "not measured"."""
     v = d.get("measured")
     if v is None:
-        return "not measured"
+        return "did not finish" if d.get("holds") is False else "not measured"
     out = format(v, ".3g")
     if d.get("low") is not None and d.get("high") is not None:
         out += f" [{d['low']:.3g}, {d['high']:.3g}]"

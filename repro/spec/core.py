@@ -129,7 +129,8 @@ class Measured:
 
     @property
     def measured(self) -> bool:
-        return self.value is not None and math.isfinite(self.value)
+        """A number was measured (+inf counts: e.g. a run that never finished is infinitely slow; NaN does not)."""
+        return self.value is not None and not math.isnan(self.value)
 
 
 def not_measured(why: str) -> Measured:

@@ -28,11 +28,11 @@ def test_admission_table_writes_the_results_contract(tmp_path, capsys):
         assert r["us_per_traj_min"] <= r["us_per_traj"] <= r["us_per_traj_max"]
         assert r["us_goal_met"] == (r["us_per_traj"] <= cfg.goal_us_per_traj)
         assert r["p99_goal_met"] == (r["p99_ms"] <= cfg.goal_p99_ms)
-    claims = {c["name"]: c for c in on_disk["claims"]}
-    assert set(claims) == {f"{r['case']}_{m}" for r in on_disk["rows"] for m in ("us_per_traj", "p99_ms")}
-    for r in on_disk["rows"]:
-        assert claims[f"{r['case']}_us_per_traj"]["holds"] == r["us_goal_met"]
-        assert claims[f"{r['case']}_p99_ms"]["holds"] == r["p99_goal_met"]
+    claims = {c["name"]: c for c in on_disk["claims"]}  # the spec's verdicts over the logged rounds
+    assert set(claims) == {"admission_us_per_traj", "admission_p99_ms", "admission_unknown_waits"}
+    assert claims["admission_us_per_traj"]["holds"] == all(r["us_goal_met"] for r in on_disk["rows"])
+    assert claims["admission_p99_ms"]["holds"] == all(r["p99_goal_met"] for r in on_disk["rows"])
+    assert (out / "trials.jsonl").exists()
 
 
 def test_a_missed_goal_names_the_profiles_top_functions(tmp_path):
