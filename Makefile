@@ -48,9 +48,11 @@ test-vllm:
 	VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONPATH=. \
 	  $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/e2e/test_vllm_engine.py
 
+# Gates: every table's claims at CI size through the spec (repro/gates.py). Timing gates there are ratios measured
+# within one run (or CPU time); bench-gate below compares wall-clock medians with a baseline saved on another
+# machine, which is an absolute-time check on a shared runner, so it is for your own hardware, not for CI.
 gate: $(STAMP)
 	$(PY) -m repro.gates
-	$(MAKE) --no-print-directory bench-gate
 
 repro: $(STAMP)
 	@for t in $(TABLES); do mod=$${t%%:*}; args=""; case "$$t" in *:*) args=$$(echo "$${t#*:}" | tr ',' ' ');; esac; \
