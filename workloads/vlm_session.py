@@ -12,7 +12,7 @@ published weights before its next wave. Flow control: wave w starts once the tra
 
 Example::
 
-    >>> setup = vlm_setup(seed=0, warm=MMWarmStartConfig(steps=2))
+    >>> setup = vlm_setup(seed=0, warm=MMWarmStartConfig(max_steps=2, target_accuracy=None))
     >>> run = run_handoff_grpo(setup, HandoffLoopConfig(num_batches=1, prompts_per_batch=2, group_size=2,
     ...                                                 num_minibatches=2))
     >>> [s.version for s in run.steps], sorted(t for _, ts in run.trained for t in ts)
@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,13 +31,14 @@ import numpy as np
 import torch
 
 from knittrans.dataplane.controller import HandoffRecord
-from knittrans.handoff import Handoff, HandoffConfig, Rollout, Transport
+from knittrans.handoff import Handoff, HandoffConfig, Transport
 from knittrans.runtime.engine import Sample, SamplingConfig
-from knittrans.runtime.trainer import GRPOConfig, StepResult, TrainItem, group_advantages
+from knittrans.runtime.trainer import GRPOConfig, StepResult, group_advantages
 from knittrans.runtime.vlm_engine import VLMEngineStats, VLMRolloutEngine
-from knittrans.runtime.vlm_learner import MMGRPOLearner
-from knittrans.types import BatchPlan, GroupSpec, Trajectory
-from workloads.mm_task import MMCountingTask, MMPrompt, MMTaskConfig, MMWarmStartConfig, warm_start
+from knittrans.runtime.vlm_learner import MMGRPOLearner, mm_rollout
+from knittrans.types import BatchPlan, GroupSpec
+from workloads.mm_task import (MMCountingTask, MMPrompt, MMTaskConfig, MMWarmStartConfig, WarmStartResult,
+                               warm_start)
 from workloads.vlm import TinyVLMConfig, build_tiny_vlm, vision_tower
 
 
@@ -48,7 +50,8 @@ class VLMSetup:
     task: MMCountingTask
     seed: int
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    warm_losses: list[float] = field(default_factory=list)
+    warm: WarmStartResult | None = None
+    """What the warm start did (steps, losses, its evaluation accuracy)."""
 
     @property
     def vocab(self):
@@ -72,9 +75,8 @@ def vlm_setup(seed: int, vlm: TinyVLMConfig = TinyVLMConfig(), task: MMTaskConfi
         raise ValueError(f"the task's prompts are built for {task_cfg.vlm}, the model is {vlm}")
     t = MMCountingTask(task_cfg)
     model = build_tiny_vlm(vlm, t.vocab, seed=seed)
-    losses = warm_start(model, t, MMWarmStartConfig(steps=warm.steps, batch_size=warm.batch_size, lr=warm.lr,
-                                                    seed=seed))
-    return VLMSetup(model=model, task=t, seed=seed, grpo=grpo, warm_losses=losses)
+    result = warm_start(model, t, dataclasses.replace(warm, seed=seed))
+    return VLMSetup(model=model, task=t, seed=seed, grpo=grpo, warm=result)
 
 
 @torch.no_grad()
@@ -97,18 +99,25 @@ class HandoffLoopConfig:
     """A small disaggregated GRPO run through a multimodal ``Handoff``."""
 
     num_batches: int = 2
+    """Training batches (each announced to the handoff before the run starts)."""
     prompts_per_batch: int = 4
+    """Prompts (GRPO groups) per training batch."""
     group_size: int = 4
+    """Samples per prompt; each prompt's images recur this many times in a batch."""
     num_minibatches: int = 2
+    """Optimizer steps per batch (whole groups per mini-batch)."""
     max_new_tokens: int = 3
     """Response cap (the count's digits + EOS fit in 2)."""
     temperature: float = 1.0
+    """Sampling temperature (behaviour log-probs are taken at it; keep 1.0 for exact ratios)."""
     inflight_minibatches: int = 2
     """Waves (one mini-batch of groups each) the rollout may run ahead of the trainer's finished steps."""
     dedup: bool = True
     """Learner: encoder once per distinct image of a share (True) or every occurrence (False)."""
     transport: Transport = Transport.INPROCESS
+    """The handoff's transport (Ray needs ``ray.init``)."""
     seed: int = 0
+    """Prompt and sampling streams."""
     admit_timeout_s: float = 120.0
     """A trainer waiting longer than this for a mini-batch fails the run instead of hanging."""
 
@@ -146,19 +155,6 @@ class HandoffLoopResult:
     @property
     def mean_reward(self) -> float:
         return float(np.mean(list(self.rewards.values())))
-
-
-def mm_rollout(item: TrainItem, prompt: MMPrompt) -> Rollout:
-    """One scored sample as the handoff takes it: ids, behaviour log-probs, per-token advantage, loss mask, and
-    the prompt's images (every sample of a group passes the same tensors; the unit keeps one copy)."""
-    s = item.sample
-    r = len(s.response_ids)
-    tensors = {"input_ids": np.asarray(s.prompt_ids + s.response_ids, dtype=np.int64),
-               "old_logprobs": np.asarray(s.logprobs, dtype=np.float32),
-               "advantages": np.full(r, item.advantage, dtype=np.float32),
-               "loss_mask": np.ones(r, dtype=np.bool_)}
-    traj = Trajectory(s.traj_id, s.group_id, s.batch_id, r, s.v_gen, prompt_tokens=len(s.prompt_ids))
-    return Rollout(traj, tensors, images=prompt.images, grids=prompt.grids)
 
 
 class _Weights:
@@ -217,7 +213,7 @@ def run_handoff_grpo(setup: VLMSetup, cfg: HandoffLoopConfig, policy=None) -> Ha
                     for item in group_advantages(group, rs, setup.grpo.adv_eps):
                         samples[item.sample.traj_id] = item.sample
                         rewards[item.sample.traj_id] = item.reward
-                        rollouts.append(mm_rollout(item, prompts[g]))
+                        rollouts.append(mm_rollout(item, prompts[g].images, prompts[g].grids))
                 producer.put(rollouts)
         except BaseException as e:  # noqa: BLE001 - re-raised in the trainer thread
             errors.append(e)
@@ -239,7 +235,7 @@ def run_handoff_grpo(setup: VLMSetup, cfg: HandoffLoopConfig, policy=None) -> Ha
             # a sync point every step, published before the ack advances the version the rollout waits on
             weights.publish(learner.version, learner.weights())
             consumer.ack(share)
-    except BaseException as e:
+    except BaseException as e:  # noqa: BLE001 - close, join, then re-raise (the rollout's error if it came first)
         h.close()  # wakes a rollout thread waiting on flow control
         thread.join(timeout=cfg.admit_timeout_s)
         raise (errors[0] if errors else e) from None
@@ -250,6 +246,7 @@ def run_handoff_grpo(setup: VLMSetup, cfg: HandoffLoopConfig, policy=None) -> Ha
     if errors:
         h.close()
         raise errors[0]
+    h.wait_version(len(steps), timeout=cfg.admit_timeout_s)  # Ray: the last ack's release is asynchronous
     records = h.records()
     h.close()
     return HandoffLoopResult(steps=steps, trained=trained, records=records, samples=samples, rewards=rewards,

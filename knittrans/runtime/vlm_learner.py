@@ -38,12 +38,15 @@ import copy
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from knittrans.handoff import Rollout
 from knittrans.mmdedup.gather import BatchTokens, MMBatch, TrainSample, collate, policy_logits
 from knittrans.mmdedup.plane import IMAGE_FIELD, MMShare
-from knittrans.runtime.trainer import GRPOConfig, StepResult
+from knittrans.runtime.trainer import GRPOConfig, StepResult, TrainItem
 from knittrans.runtime.vlm_engine import suppress_logits, vision_special_ids
+from knittrans.types import Trajectory
 
 
 class ShareOrderError(RuntimeError):
@@ -128,6 +131,21 @@ def clipped_surrogate(logp: torch.Tensor, targets: TokenTargets, clip_eps: float
     surr = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
     n_tok = m.sum().clamp(min=1)
     return Surrogate(-(surr * m).sum() / n_tok, ratio, n_tok)
+
+
+def mm_rollout(item: TrainItem, images: tuple[torch.Tensor, ...], grids: tuple[tuple[int, int, int], ...]) -> Rollout:
+    """One scored sample as a multimodal handoff takes it (``MM_SCHEMA``; what ``share_batch`` unpacks):
+    ``input_ids`` = prompt + response, and per response token the behaviour log-prob, the sample's group advantage
+    and a True loss mask; plus its prompt's images in placeholder order (every sample of a group passes the same
+    tensors; the storage unit keeps one copy)."""
+    s = item.sample
+    r = len(s.response_ids)
+    tensors = {"input_ids": np.asarray(s.prompt_ids + s.response_ids, dtype=np.int64),
+               "old_logprobs": np.asarray(s.logprobs, dtype=np.float32),
+               "advantages": np.full(r, item.advantage, dtype=np.float32),
+               "loss_mask": np.ones(r, dtype=np.bool_)}
+    traj = Trajectory(s.traj_id, s.group_id, s.batch_id, r, s.v_gen, prompt_tokens=len(s.prompt_ids))
+    return Rollout(traj, tensors, images=tuple(images), grids=tuple(tuple(g) for g in grids))
 
 
 class MMGRPOLearner:

@@ -140,18 +140,19 @@ def test_dedup_learner_takes_the_baseline_step_with_n_times_fewer_encoder_patche
 
 def test_on_policy_behaviour_logprobs_give_ratio_one_so_response_fields_are_aligned_with_their_tokens(model):
     """If old_logprobs were shifted by one column against the tokens they score, ratios would not be 1."""
-    h, c, share = share_of(model, model)
+    h, _, share = share_of(model, model)
     learner = MMGRPOLearner(copy.deepcopy(model), GRPOConfig(lr=1e-3), TASK.tokens)
     res = learner.step(share)
     assert res.mean_ratio == pytest.approx(1.0, abs=1e-5) and res.clip_frac == 0.0
-    batch, targets = share_batch(share, TASK.tokens)
+    _, targets = share_batch(share, TASK.tokens)
     assert int(targets.mask.sum()) == int(share["loss_mask"].sum()) == res.tokens
-    assert bool((targets.old_logprobs[targets.mask] < 0).all()) and bool((targets.old_logprobs[~targets.mask] == 0).all())
+    old = targets.old_logprobs
+    assert bool((old[targets.mask] < 0).all()) and bool((old[~targets.mask] == 0).all())
     h.close()
 
 
 def test_shares_are_stepped_on_in_admission_order(model):
-    h, c, share = share_of(model, model)
+    h, _, share = share_of(model, model)
     learner = MMGRPOLearner(copy.deepcopy(model), GRPOConfig(), TASK.tokens, version=3)
     with pytest.raises(ShareOrderError, match="admitted as step 0 but the learner is at version 3"):
         learner.step(share)
