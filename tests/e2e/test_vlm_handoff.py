@@ -8,10 +8,13 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from knittrans.handoff import Transport
 from workloads.mm_task import MMWarmStartConfig
 from workloads.vlm_session import HandoffLoopConfig, run_handoff_grpo, vlm_setup
+
+torch.set_num_threads(1)  # rollout and trainer threads share 2 cores: intra-op threads would oversubscribe them
 
 P, N, M, BATCHES, BUDGET = 4, 4, 2, 2, 2
 
