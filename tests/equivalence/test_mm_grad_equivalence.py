@@ -87,7 +87,7 @@ def grads(model, batch, leaves, dedup: bool, tgt: TokenTargets):
     params = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
     # non-vacuous: ratios are not all 1 and the loss is not the on-policy constant -mean(advantage)
     on_policy = -(tgt.advantages.sum() / tgt.mask.sum())
-    ratios = surr.ratio[tgt.mask]
+    ratios = surr.ratio.detach()[tgt.mask]
     assert float((ratios - 1).abs().max()) > 0.2 and abs(float(surr.loss.detach() - on_policy)) > 1e-3
     return surr.loss.detach().float(), params, [x.grad.detach().float().clone() for x in leaves]
 
