@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Literal, Sequence
 
 import numpy as np
 import torch
@@ -245,6 +245,14 @@ class MMWorkloadConfig:
     448 x 448 (1024 patches x 1176 values); the CPU default is smaller."""
     max_shapes: int = 5
     """Shapes per image: uniform in 1..max_shapes."""
+    colours: tuple[str, ...] = tuple(sorted(COLOURS))
+    """Colours shapes (and the question's target colour) are drawn from (names of ``COLOURS``)."""
+    shape_radius_div: int = 12
+    """A shape's radius is min(height, width) // shape_radius_div pixels (at least 3)."""
+    layout: Literal["random", "cells"] = "random"
+    """``random``: shapes anywhere (they may overlap and straddle image tokens). ``cells``: each shape centred in
+    its own merge cell (patch x merge = 28 px, one image token), radius capped to fit inside it, so an image token
+    shows at most one shape -- what lets a tiny VLM learn to count in a CPU warm start (``workloads.mm_task``)."""
     p_correct: float = 0.5
     """Synthetic rollout: probability that a sample answers exactly (others answer a wrong number), so groups
     have mixed rewards and nonzero GRPO advantages."""
@@ -262,6 +270,13 @@ class MMWorkloadConfig:
                 raise ValueError(f"MMWorkloadConfig.{name} must be an int >= 1, got {v!r}")
         if not self.image_sizes or any(h <= 0 or w <= 0 for h, w in self.image_sizes):
             raise ValueError(f"MMWorkloadConfig.image_sizes must be non-empty positive (h, w), got {self.image_sizes}")
+        if not self.colours or set(self.colours) - set(COLOURS) or len(set(self.colours)) != len(self.colours):
+            raise ValueError(f"MMWorkloadConfig.colours must be distinct names from {sorted(COLOURS)}, "
+                             f"got {self.colours}")
+        if not isinstance(self.shape_radius_div, int) or self.shape_radius_div < 2:
+            raise ValueError(f"MMWorkloadConfig.shape_radius_div must be an int >= 2, got {self.shape_radius_div!r}")
+        if self.layout not in ("random", "cells"):
+            raise ValueError(f"MMWorkloadConfig.layout must be 'random' or 'cells', got {self.layout!r}")
         if not 0.0 <= self.p_correct <= 1.0:
             raise ValueError(f"MMWorkloadConfig.p_correct must be in [0, 1], got {self.p_correct}")
 
@@ -284,13 +299,21 @@ class MultimodalWorkload:
     def problem(self, prompt_id: int) -> VisualProblem:
         rng = random.Random(self.cfg.seed * 1_000_003 + prompt_id)
         h, w = self.cfg.image_sizes[rng.randrange(len(self.cfg.image_sizes))]
-        target = rng.choice(sorted(COLOURS))
+        colours = list(self.cfg.colours)
+        target = rng.choice(colours)
         specs, images = [], []
         for _ in range(self.cfg.images_per_prompt):
             shapes = []
-            for _ in range(rng.randint(1, self.cfg.max_shapes)):
-                r = max(3, min(h, w) // 12)
-                shapes.append(Shape(rng.choice(KINDS), rng.choice(sorted(COLOURS)), rng.randint(r, w - r),
+            r = max(3, min(h, w) // self.cfg.shape_radius_div)
+            if self.cfg.layout == "cells":
+                cell = self.cfg.vlm.factor
+                cells = [(cy, cx) for cy in range(h // cell) for cx in range(w // cell)]
+                r = max(3, min(r, cell // 2 - 2))
+                for cy, cx in rng.sample(cells, rng.randint(1, min(self.cfg.max_shapes, len(cells)))):
+                    shapes.append(Shape(rng.choice(KINDS), rng.choice(colours), cx * cell + cell // 2,
+                                        cy * cell + cell // 2, r))
+            for _ in range(rng.randint(1, self.cfg.max_shapes) if self.cfg.layout == "random" else 0):
+                shapes.append(Shape(rng.choice(KINDS), rng.choice(colours), rng.randint(r, w - r),
                                     rng.randint(r, h - r), r))
             specs.append(tuple(shapes))
             images.append(preprocess_image(draw_image(shapes, h, w), self.cfg.vlm))

@@ -1,6 +1,12 @@
 """Dedup trainer path == the undeduplicated computation: loss, LM/vision parameter gradients and pixel-input
 gradients, for a trainable vision tower and mixed image sizes (issue 6 acceptance).
 
+The loss is the learner's PPO-clipped GRPO surrogate (``knittrans.runtime.vlm_learner.clipped_surrogate``) against
+behaviour log-probs taken from a *perturbed* copy of the policy, so importance ratios differ from 1 (some are
+clipped) and the loss value depends on the logits. (Issue 12: the former on-policy surrogate has ratio
+``exp(x - x.detach()) == 1``, so its loss was ``-mean(adv)`` whatever the logits and comparing it proved nothing;
+each test here also checks that the loss differs from that constant.)
+
 Tolerances: fp32 within 1e-5 relative per parameter tensor (observed: LM bitwise equal, vision ~5e-7, the
 summation order of the n occurrences' gradients). bf16: the dedup path sums the n upstream gradients in bf16
 before one backward, the baseline sums n backwards' parameter gradients, so rounding differs; stated tolerance
@@ -9,11 +15,14 @@ before one backward, the baseline sums n backwards' parameter gradients, so roun
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from knittrans.mmdedup import (BatchTokens, EncodingPlane, ImageSet, ImageTokenMismatchError, TrainSample, collate,
-                               grpo_loss, mrope_positions, policy_logits)
+                               mrope_positions, policy_logits)
+from knittrans.runtime.vlm_learner import TokenTargets, clipped_surrogate, token_logprobs
 from workloads.multimodal import MMWorkloadConfig, MultimodalWorkload
 from workloads.vlm import TinyVLMConfig, build_tiny_vlm, vision_tower
 
@@ -54,14 +63,33 @@ def make_batches(arch: str, dtype: torch.dtype, n: int = 3, prompts: int = 2, k:
     return model, dedup, baseline, leaves, fetched, plane
 
 
-def grads(model, batch, leaves, dedup: bool):
+def targets(model, batch, scale: float = 0.6) -> TokenTargets:
+    """Behaviour log-probs of ``batch``'s tokens under a perturbed copy of ``model`` (stale weights), the
+    samples' advantages on their response tokens. Both paths' batches hold the same tokens, so one set serves."""
+    stale = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in stale.parameters():
+            p.add_((scale * 0.02 * torch.randn(p.shape, generator=g)).to(p.dtype))
+        old = token_logprobs(stale, batch, dedup=True)
+    mask = batch.loss_mask[:, 1:]
+    adv = batch.advantages[:, None].expand_as(mask).float() * mask
+    return TokenTargets(old.masked_fill(~mask, 0.0), adv, mask)
+
+
+def grads(model, batch, leaves, dedup: bool, tgt: TokenTargets):
     model.zero_grad(set_to_none=True)
     for x in leaves:
         x.grad = None
-    loss = grpo_loss(policy_logits(model, batch, dedup=dedup), batch)
-    loss.backward()
+    logp = token_logprobs(model, batch, dedup=dedup).masked_fill(~tgt.mask, 0.0)
+    surr = clipped_surrogate(logp, tgt, clip_eps=0.2)
+    surr.loss.backward()
     params = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach().float(), params, [x.grad.detach().float().clone() for x in leaves]
+    # non-vacuous: ratios are not all 1 and the loss is not the on-policy constant -mean(advantage)
+    on_policy = -(tgt.advantages.sum() / tgt.mask.sum())
+    ratios = surr.ratio.detach()[tgt.mask]
+    assert float((ratios - 1).abs().max()) > 0.2 and abs(float(surr.loss.detach() - on_policy)) > 1e-3
+    return surr.loss.detach().float(), params, [x.grad.detach().float().clone() for x in leaves]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -72,9 +100,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_fp32_gradients_equal_without_dedup_for_a_trainable_vision_tower(arch):
     model, dedup, baseline, leaves, fetched, _ = make_batches(arch, torch.float32)
     assert all(p.requires_grad for p in vision_tower(model).parameters())
-    l0, g0, x0 = grads(model, baseline, leaves, dedup=False)
-    l1, g1, x1 = grads(model, dedup, leaves, dedup=True)
-    assert torch.equal(l0, l1)
+    tgt = targets(model, dedup)
+    l0, g0, x0 = grads(model, baseline, leaves, dedup=False, tgt=tgt)
+    l1, g1, x1 = grads(model, dedup, leaves, dedup=True, tgt=tgt)
+    assert abs(float(l0 - l1)) <= 1e-6 * abs(float(l0))  # observed: bitwise equal
     assert set(g0) == set(g1) and any("visual" in n for n in g0)
     for name in g0:
         assert rel(g0[name], g1[name]) <= 1e-5, name
@@ -87,8 +116,10 @@ def test_fp32_gradients_equal_without_dedup_for_a_trainable_vision_tower(arch):
 
 def test_bf16_gradients_within_stated_tolerance():
     model, dedup, baseline, leaves, _, _ = make_batches("qwen2_vl", torch.bfloat16)
-    _, g0, x0 = grads(model, baseline, leaves, dedup=False)
-    _, g1, x1 = grads(model, dedup, leaves, dedup=True)
+    tgt = targets(model, dedup)
+    l0, g0, x0 = grads(model, baseline, leaves, dedup=False, tgt=tgt)
+    l1, g1, x1 = grads(model, dedup, leaves, dedup=True, tgt=tgt)
+    assert abs(float(l0 - l1)) <= 2e-2 * abs(float(l0))
     for part in ("visual", "language"):
         names = [n for n in g0 if (part in n) == (part == "visual") or (part == "language" and "visual" not in n)]
         a = torch.cat([g0[n].flatten() for n in names])
