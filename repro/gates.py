@@ -6,9 +6,9 @@ decide.
     python -m repro.gates --allow-skip kernels-gpu   # a table that may skip (e.g. needs a GPU), said explicitly
 
 A table takes part by exposing ``gate_trials() -> list[Trial]`` in its repro module, named in its spec module's
-``GATES`` (spec table -> module); a module that gates several tables takes the table's name
-(``gate_trials(table)``) and runs only that table's rows. The gate has no switches of its own: a regression is injected by changing product code
-(tests monkeypatch it), and the same claims, measured by the same spec functions as the full tables, must then
+``GATES`` (spec table -> module); a module that gates several tables takes the table's name (``gate_trials(table)``)
+and runs only that table's rows. The gate has no switches of its own: a regression is injected by changing product
+code (tests monkeypatch it), and the same claims, measured by the same spec functions as the full tables, must then
 fail. A table whose gate cannot run (an optional dependency absent, no GPU) reports "skipped", which fails the
 run unless ``--allow-skip`` names it. Timing claims gate on ratios measured within one run (medians of repeated,
 interleaved passes, with the margin stated in the bound); everything else on deterministic quantities.

@@ -63,7 +63,7 @@ class SpeedupConfig:
     model: str = "qwen2_vl_7b_balance"
     """"qwen2_vl_7b_balance" (the 7B's vision / LM cost ratio) or "tiny" (``TinyVLMConfig()``: the vision tower a
     larger share)."""
-    train_repeats: int = 3
+    train_repeats: int = 2
     """Timed steps per system per pass (after one warm-up, alternating systems); their median is the pass's."""
     passes: int = 3
     """K passes per point; the claim is the median over passes with [min, max]."""

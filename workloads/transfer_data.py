@@ -83,8 +83,8 @@ class MMPasses:
         from workloads.multimodal import MultimodalWorkload
 
         if shape.prompts_per_batch % num_minibatches:
-            raise ValueError(f"multimodal prompts_per_batch={shape.prompts_per_batch} must be a multiple of num_minibatches="
-                             f"{num_minibatches} (whole groups per mini-batch)")
+            raise ValueError(f"multimodal prompts_per_batch={shape.prompts_per_batch} must be a multiple of "
+                             f"num_minibatches={num_minibatches} (whole groups per mini-batch)")
         self.shape, self.num_minibatches, self.num_producers, self.seed = shape, num_minibatches, num_producers, seed
         gen = MultimodalWorkload(workload_config(shape, seed, vlm))
         self.pool = [[(g, [trajectory_fields(s, seed) for s in g.samples]) for g in gen.sample_batch(b)]

@@ -4,7 +4,8 @@ passes of a within-pass ratio (the systems of one pass share the machine's state
 
     >>> class Sys:
     ...     def __init__(self, name): self.name, self.seen = name, []
-    ...     def run_steady(self, batches, ipt): self.seen.append([d for d in batches]); return PassResult(PassKind.STEADY)
+    ...     def run_steady(self, batches, ipt):
+    ...         self.seen.append(list(batches)); return PassResult(PassKind.STEADY)
     ...     def run_raw(self, batch): self.seen.append(batch); return PassResult(PassKind.RAW)
     ...     def close(self): pass
     >>> a, b = Sys("a"), Sys("b")

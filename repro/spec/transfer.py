@@ -206,7 +206,8 @@ CLAIMS: tuple[Claim, ...] = (
           "all bytes per batch, centralized (gather + scatter incl. every image occurrence) / knittrans-ray (fields + "
           "distinct images)", bytes_ratio("centralized", "knittrans-ray"), comparison=SAME_LAYOUT),
     Claim("mm_transfer_latency_ratio_inproc", MM, ClaimKind.MEASUREMENT, "(context)", "x",
-          RAW.format(num="centralized (Ray)", den="knittrans-inproc"), ratio("centralized", "knittrans-inproc", "raw_s"),
+          RAW.format(num="centralized (Ray)", den="knittrans-inproc"),
+          ratio("centralized", "knittrans-inproc", "raw_s"),
           comparison="different layouts (Ray actors vs threads of one process)"),
     Claim("mm_exposed_latency_ratio_inproc", MM, ClaimKind.MEASUREMENT, "(context)", "x",
           EXPOSED.format(num="centralized (Ray)", den="knittrans-inproc"),

@@ -7,7 +7,6 @@ import pytest
 
 from baselines.centralized import CentralizedConfig, balance_plan, build_dense_batch, rank_minibatches, real_tokens
 from baselines.transferqueue_adapter import required_ray_cpus, transferqueue_available
-from knittrans.dataplane import MiniBatchKey
 from knittrans.dataplane.harness import (MiniBatchTiming, RankTrace, Signals, steady_state_exposed,
                                          summarize_exposed)
 from workloads.text_data import TextDataConfig, make_text_batch
