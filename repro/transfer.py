@@ -122,8 +122,8 @@ class TransferConfig:
     """Storage units / rollout nodes (rank r and the producers of group g on node r / g mod num_units)."""
     compute_s_per_minibatch: float = 0.4
     """Calibrated emulated compute of one mini-batch share on one rank (seconds)."""
-    prefetch_depth: int = 1
-    """Shares a KnitTrans rank prepares ahead."""
+    prefetch_depth: int = 2
+    """Shares a KnitTrans rank prepares ahead (the handoff's default)."""
     tq_storage_units: int = 2
     """TransferQueue SimpleStorage units."""
     ray_num_cpus: int = 8

@@ -40,8 +40,8 @@ class BenchLayout:
     """Batch b+1 completes when rank 0 starts step ``M - lead_steps`` of batch b (1: during its last step)."""
     warmup_batches: int = 1
     """Leading batches of a steady pass left out of its exposed numbers (the trainer starts idle)."""
-    prefetch_depth: int = 1
-    """Shares a KnitTrans rank prepares ahead."""
+    prefetch_depth: int = 2
+    """Shares a KnitTrans rank prepares ahead (``HandoffConfig``'s default)."""
 
     def __post_init__(self) -> None:
         for name in ("num_ranks", "num_units", "lead_steps", "prefetch_depth"):
