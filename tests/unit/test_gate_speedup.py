@@ -39,7 +39,7 @@ def test_speedup_and_patch_gates_fail_when_dedup_is_off_in_the_plane(ray_up, mon
     from repro.speedup import gate_trials
 
     inject.dedup_off_in_the_plane(monkeypatch)
-    v = verdicts(gate_trials(passes=2))
+    v = verdicts(gate_trials())
     assert v["mm_encoder_patch_ratio"].status is Status.FAILS  # the share carries n copies: all are encoded
     assert v["mm_encoder_patch_ratio"].measured.value == pytest.approx(1 / 8)
     assert v["mm_transfer_train_speedup"].status is Status.FAILS, v["mm_transfer_train_speedup"].measured
