@@ -64,7 +64,8 @@ class SpeedupConfig:
     """"qwen2_vl_7b_balance" (the 7B's vision / LM cost ratio) or "tiny" (``TinyVLMConfig()``: the vision tower a
     larger share)."""
     train_repeats: int = 2
-    """Timed steps per system per pass (after one warm-up, alternating systems); their median is the pass's."""
+    """Timed steps per system per pass (alternating systems, after one warm-up per point); their median is the
+    pass's."""
     passes: int = 3
     """K passes per point; the claim is the median over passes with [min, max]."""
     num_batches: int = 2
@@ -115,7 +116,7 @@ def run_point(cfg: SpeedupConfig, session, n: int, k: int) -> list[SpeedupTrial]
     share_tokens = sum(probe.tokens[t] for t in rank0)
     ipt = {"centralized": calibrate_iters_per_token(warm.baseline_s, share_tokens),
            "knittrans-ray": calibrate_iters_per_token(warm.dedup_s, share_tokens)}
-    steps = [time_train_steps(model, vision, batches, cfg.train_repeats) for _ in range(cfg.passes)]
+    steps = [time_train_steps(model, vision, batches, cfg.train_repeats, warmup=False) for _ in range(cfg.passes)]
     del model
     layout = BenchLayout(cfg.num_ranks, cfg.num_units)
     session.warm_object_store(2 * (probe.occurrence_pixel_nbytes + 10 * probe.field_nbytes))

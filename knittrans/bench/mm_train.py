@@ -103,11 +103,11 @@ def step_batches(share: MMShare, tokens: BatchTokens) -> StepBatches:
 
 
 def time_train_steps(model: torch.nn.Module, vision: torch.nn.Module, batches: StepBatches,
-                     repeats: int) -> StepTiming:
+                     repeats: int, warmup: bool = True) -> StepTiming:
     """Median wall time of one forward + backward (no optimizer step) of the baseline batch (every occurrence
-    encoded, ``policy_logits(dedup=False)``) and of the dedup batch (``dedup=True``), timed alternately after one
-    warm-up each, so load from other processes falls on both alike; ``vision`` is the model's vision tower, whose
-    forward calls are counted in patches."""
+    encoded, ``policy_logits(dedup=False)``) and of the dedup batch (``dedup=True``), timed alternately (after one
+    untimed step each when ``warmup``), so load from other processes falls on both alike; ``vision`` is the model's
+    vision tower, whose forward calls are counted in patches."""
     seen: list[int] = []
 
     def count(module: torch.nn.Module, args: tuple, kwargs: dict, out: object) -> None:
@@ -118,7 +118,8 @@ def time_train_steps(model: torch.nn.Module, vision: torch.nn.Module, batches: S
     patches: dict[bool, int] = {}
     hook = vision.register_forward_hook(count, with_kwargs=True)
     try:
-        for i in range(repeats + 1):
+        first = 0 if warmup else 1
+        for i in range(first, repeats + 1):
             for flag, batch in ((False, batches.baseline), (True, batches.dedup)):
                 model.zero_grad(set_to_none=True)
                 seen.clear()

@@ -248,3 +248,15 @@ def test_scale_presets_compose_and_paper_is_dapo_sized():
     assert paper.text.prompts_per_batch * paper.text.group_size == 8192 and paper.num_minibatches == 16
     assert paper.text.max_response_len == 20480 and mixed.num_ranks == 4  # the command line wins over a preset
     assert default.text.prompts_per_batch * default.text.group_size == 1024 and default.passes == 3
+
+
+def test_several_raw_passes_count_as_their_median_time_and_keep_every_get_and_the_worst_leftover():
+    from knittrans.bench import PassKind, PassResult
+    from knittrans.bench.loop import median_raw
+
+    runs = [PassResult(PassKind.RAW, raw_s=t, get_s=(t,), bytes_moved=10, live_bytes_after=live)
+            for t, live in ((0.3, 0), (5.0, 4), (0.2, 0))]
+    r = median_raw(runs)
+    assert r.raw_s == 0.3 and r.get_s == (0.3, 5.0, 0.2) and r.live_bytes_after == 4 and r.bytes_moved == 10
+    with pytest.raises(ValueError, match="raw"):
+        median_raw([PassResult(PassKind.STEADY)])
