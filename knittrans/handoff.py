@@ -101,6 +101,9 @@ class HandoffConfig:
     multimodal: bool = False
     """Multimodal trajectories: images stored and moved once per distinct content; shares carry the distinct
     images and the per-sample index map (``knittrans.mmdedup``)."""
+    dedup: bool = True
+    """Multimodal only: store and move each distinct image once. False is the plain twin (every occurrence
+    stored and moved: what the same plane costs without deduplication)."""
     schema: TrajectorySchema | None = None
     """Per-trajectory fields; None: ``TEXT_SCHEMA`` (``MM_SCHEMA`` when multimodal)."""
     prefetch_depth: int = 2
@@ -163,14 +166,14 @@ def _build_plane(cfg: HandoffConfig, policy: AdmissionPolicy) -> DataPlane:
         if cfg.multimodal:
             from knittrans.mmdedup.plane import build_mm_inprocess
 
-            return build_mm_inprocess(units, ranks, schema, **common)
+            return build_mm_inprocess(units, ranks, schema, dedup=cfg.dedup, **common)
         from knittrans.dataplane.inprocess import build_inprocess
 
         return build_inprocess(schema, units, ranks, checksums=cfg.checksums, **common)
     if cfg.multimodal:
         from knittrans.mmdedup.plane_ray import build_mm_ray
 
-        return build_mm_ray(units, ranks, schema, **common)
+        return build_mm_ray(units, ranks, schema, dedup=cfg.dedup, **common)
     from knittrans.dataplane.ray_transport import build_ray
 
     return build_ray(schema, units, ranks, checksums=cfg.checksums, **common)
@@ -222,7 +225,7 @@ class Consumer:
     """Trainer rank ``rank``'s iterator over its shares of admitted mini-batches, in admission order, prefetched;
     ``ack(share)`` after each optimizer step. The iteration ends when the handoff is sealed and its last
     mini-batch was handed out, or when it is closed. Picklable on the Ray transport (the prefetch thread starts
-    in the process that iterates)."""
+    in the process that iterates). ``count``: stop after that many shares (None: at the end of the stream)."""
 
     plane: DataPlane
     rank: int
@@ -230,6 +233,7 @@ class Consumer:
     depth: int = 2
     admit_timeout_s: float | None = None
     start_seq: int = 0
+    count: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
@@ -255,7 +259,8 @@ class Consumer:
         if self._prefetcher is None:
             self._prefetcher = Prefetcher(self.client, self.rank, self.fields,
                                           PrefetchConfig(depth=self.depth, admit_timeout_s=self.admit_timeout_s,
-                                                         ack_on_fetch=False), start_seq=self.start_seq)
+                                                         ack_on_fetch=False), start_seq=self.start_seq,
+                                          count=self.count)
         return iter(self._prefetcher)
 
     def take(self, count: int) -> list[PackedShare]:
@@ -321,12 +326,16 @@ class Handoff:
     def put(self, rollouts: Sequence[Rollout], unit: str | None = None) -> None:
         self.producer(unit).put(rollouts)
 
-    def consumer(self, rank: int = 0, fields: Sequence[str] | None = None, start_seq: int = 0) -> Consumer:
-        """Trainer rank ``rank``'s iterator (``fields``: default every schema field)."""
+    def consumer(self, rank: int = 0, fields: Sequence[str] | None = None, start_seq: int = 0,
+                 count: int | None = None) -> Consumer:
+        """Trainer rank ``rank``'s iterator (``fields``: default every schema field) over the ``count`` shares
+        from the ``start_seq``-th admitted mini-batch on (None: to the end of the stream)."""
         if not 0 <= rank < len(self.config.rank_nodes):
             raise ValueError(f"rank {rank} out of range: the handoff has {len(self.config.rank_nodes)} ranks")
+        if count is not None and count < 0:
+            raise ValueError(f"consumer count must be >= 0 or None, got {count}")
         c = Consumer(self.plane, rank, None if fields is None else tuple(fields), self.config.prefetch_depth,
-                     self.config.admit_timeout_s, start_seq)
+                     self.config.admit_timeout_s, start_seq, count)
         self._consumers.append(c)
         return c
 

@@ -6,8 +6,9 @@ decide.
     python -m repro.gates --allow-skip kernels-gpu   # a table that may skip (e.g. needs a GPU), said explicitly
 
 A table takes part by exposing ``gate_trials() -> list[Trial]`` in its repro module, named in its spec module's
-``GATES`` (spec table -> module). The gate has no switches of its own: a regression is injected by changing product code
-(tests monkeypatch it), and the same claims, measured by the same spec functions as the full tables, must then
+``GATES`` (spec table -> module); a module that gates several tables takes the table's name (``gate_trials(table)``)
+and runs only that table's rows. The gate has no switches of its own: a regression is injected by changing product
+code (tests monkeypatch it), and the same claims, measured by the same spec functions as the full tables, must then
 fail. A table whose gate cannot run (an optional dependency absent, no GPU) reports "skipped", which fails the
 run unless ``--allow-skip`` names it. Timing claims gate on ratios measured within one run (medians of repeated,
 interleaved passes, with the margin stated in the bound); everything else on deterministic quantities.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import sys
 import time
 from dataclasses import dataclass
@@ -67,7 +69,8 @@ def run_gate(table: str) -> GateOutcome:
     t0 = time.perf_counter()
     mod = importlib.import_module(gate_modules()[table])
     try:
-        rows = mod.gate_trials()
+        takes_table = "table" in inspect.signature(mod.gate_trials).parameters
+        rows = mod.gate_trials(table) if takes_table else mod.gate_trials()
     except GateSkipped as e:
         return GateOutcome(table, (), time.perf_counter() - t0, skipped=str(e) or "skipped")
     return GateOutcome(table, evaluate_gate(table, rows), time.perf_counter() - t0)

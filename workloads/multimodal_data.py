@@ -1,10 +1,10 @@
-"""The multimodal transfer workload: batch shapes for ``repro.transfer workload=multimodal`` and ``repro.speedup``,
-and the per-trajectory fields a rollout engine writes for a multimodal sample (``knittrans.mmdedup.plane``'s
-``MM_SCHEMA``: prompt + response ids, response-length logprobs, advantages and loss mask; the images travel beside
-them, once per distinct image).
+"""The multimodal transfer workload: batch shapes for ``repro.transfer workload=multimodal`` and ``repro.speedup``
+(built into passes by ``workloads.transfer_data.MMPasses``), and the per-trajectory fields a rollout engine writes
+for a multimodal sample (``knittrans.mmdedup.plane``'s ``MM_SCHEMA``: prompt + response ids, response-length
+logprobs, advantages and loss mask; the images travel beside them, once per distinct image).
 
     >>> from workloads.multimodal import MultimodalWorkload
-    >>> w = MMTransferWorkload(prompts=2, n=4, image_side=56)
+    >>> w = MMTransferWorkload(prompts_per_batch=2, group_size=4, image_side=56)
     >>> groups = MultimodalWorkload(workload_config(w, seed=0)).sample_batch(0)
     >>> f = trajectory_fields(groups[0].samples[0])
     >>> sorted(f), f["old_logprobs"].shape == f["loss_mask"].shape
@@ -28,10 +28,10 @@ class MMTransferWorkload:
 
     scale: str = "default"
     """Label of the size preset; ``scale=paper`` (the Hydra group of ``repro.transfer``) sets the fields below."""
-    prompts: int = 32
+    prompts_per_batch: int = 32
     """P: prompts per training batch (a multiple of num_minibatches x num_ranks keeps groups whole per rank)."""
-    n: int = 8
-    """Samples per prompt (GRPO group size)."""
+    group_size: int = 8
+    """n: samples per prompt (GRPO group size)."""
     images_per_prompt: int = 1
     """Images per prompt."""
     image_side: int = 224
@@ -42,8 +42,8 @@ class MMTransferWorkload:
 def workload_config(w: MMTransferWorkload, seed: int, vlm: TinyVLMConfig | None = None) -> MMWorkloadConfig:
     s = w.image_side
     r = (s * 3 // 4) // 28 * 28
-    cfg = MMWorkloadConfig(prompts_per_batch=w.prompts, n=w.n, images_per_prompt=w.images_per_prompt,
-                           image_sizes=((s, s), (r, s), (s, r)), seed=seed)
+    cfg = MMWorkloadConfig(prompts_per_batch=w.prompts_per_batch, n=w.group_size,
+                           images_per_prompt=w.images_per_prompt, image_sizes=((s, s), (r, s), (s, r)), seed=seed)
     return cfg if vlm is None else dataclasses.replace(cfg, vlm=vlm)
 
 

@@ -1,5 +1,5 @@
-"""Measurement primitives shared by the transfer benchmark and its tests: emulated compute, per-mini-batch
-timings, exposed latency, memcpy bandwidth.
+"""Measurement primitives shared by the transfer benchmark (``knittrans.bench``) and its tests: emulated compute,
+per-mini-batch timings, exposed latency, memcpy bandwidth.
 
 Compute emulation: a trainer step is charged ``round(tokens * iters_per_token)`` 128x128 fp32 matmuls on one
 torch thread. That is real CPU work (it competes with a prefetch thread for cores, as a real step competes for
@@ -47,6 +47,7 @@ class MiniBatchTiming:
     nbytes: int
     tokens: int
     batch: int = 0  # which training batch (0-based within a multi-batch pass)
+    pixel_nbytes: int = 0  # of ``nbytes``, the pixel_values bytes (multimodal)
 
 
 @dataclass(frozen=True)

@@ -106,11 +106,12 @@ class ControllerActor:
 
     def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> None:
         """Record the ack and, when it completes the mini-batch, tell the units to drop it (from here, so the
-        rank's ack is one fire-and-forget message off its critical path)."""
-        for unit_id, ts in self.ctrl.ack(key, rank, fields):
-            ref = self.unit_actors[unit_id].drop.remote(ts)
-            with self._drops_lock:
-                self._drops.append((unit_id, ref))
+        rank's ack is one fire-and-forget message off its critical path). The release and the registration of its
+        drops happen under one lock that ``wait_drained`` also takes: a caller that saw the version advance
+        (``wait_version``) and then waits for the drops always finds this mini-batch's among them."""
+        with self._drops_lock:
+            for unit_id, ts in self.ctrl.ack(key, rank, fields):
+                self._drops.append((unit_id, self.unit_actors[unit_id].drop.remote(ts)))
 
     def wait_drained(self, timeout: float | None = None) -> int:
         """Block until every drop sent so far is confirmed by its unit (no polling: waits on the drops' own

@@ -143,17 +143,24 @@ class MMStorageUnit(StorageUnit):
     trajectories that show them, released when the controller says those trajectories are consumed."""
 
     def __init__(self, unit_id: str, node: str, schema: TrajectorySchema = MM_SCHEMA,
-                 hash_fn: HashFn = encoding_hash_fn) -> None:
+                 hash_fn: HashFn = encoding_hash_fn, dedup: bool = True) -> None:
+        """``dedup`` False: the store keeps every occurrence (``EncodingStore(dedup=False)``), so gets move one
+        copy per occurrence -- the plain twin of the same unit."""
         if IMAGE_FIELD not in schema.names:
             raise SchemaMismatchError(f"MMStorageUnit needs a schema with the {IMAGE_FIELD!r} field")
         super().__init__(unit_id, node, schema)
-        self.store = EncodingStore(hash_fn)
+        self.store = EncodingStore(hash_fn, dedup=dedup)
         self._occ: dict[int, tuple[tuple[EncodingRef, tuple[int, int, int]], ...]] = {}
         self._occ_lock = threading.Lock()
 
     def put(self, payloads: Sequence[TrajectoryPayload]) -> list[PutRecord]:
         """Like ``StorageUnit.put`` (all or nothing); an ``MMPayload`` also stores its images (one reference per
-        occurrence) and writes ``image_index``. A trajectory's images come with its first put, exactly once."""
+        occurrence) and writes ``image_index``. A trajectory's images come with its first put, exactly once; a
+        later ``MMPayload`` without images (fields that arrive later, e.g. advantages at completion) is a plain
+        field put."""
+        with self._occ_lock:
+            later = {p.traj_id for p in payloads
+                     if isinstance(p, MMPayload) and not p.encodings and p.traj_id in self._occ}
         for p in payloads:  # validate everything before the store changes
             if IMAGE_FIELD in p.tensors:
                 raise SchemaMismatchError(f"trajectory {p.traj_id}: {IMAGE_FIELD!r} is written by the storage unit "
@@ -161,13 +168,17 @@ class MMStorageUnit(StorageUnit):
             if isinstance(p, MMPayload):
                 validate_payload(self.schema, p)
                 _check_images(p)
-        mm = [p for p in payloads if isinstance(p, MMPayload)]
+        mm = [p for p in payloads if isinstance(p, MMPayload) and p.traj_id not in later]
         with self._occ_lock:
             held = [p.traj_id for p in mm if p.traj_id in self._occ]
         if held or len({p.traj_id for p in mm}) != len(mm):
             raise DuplicatePutError(f"unit {self.unit_id}: images of trajectories {held or [p.traj_id for p in mm]} "
                                     f"were already written (each trajectory's images are put exactly once)")
-        refs = [tuple(self.store.put(list(p.encodings))) if p.encodings else () for p in mm]
+        flat = self.store.put([e for p in mm for e in p.encodings])  # one call: each shared view hashed once
+        refs, at = [], 0
+        for p in mm:
+            refs.append(tuple(flat[at:at + len(p.encodings)]))
+            at += len(p.encodings)
         index = {p.traj_id: np.fromiter((r.slot for r in rs), dtype=np.int64, count=len(rs))
                  for p, rs in zip(mm, refs)}
         full = [TrajectoryPayload(**{**{f.name: getattr(p, f.name) for f in dc_fields(TrajectoryPayload)},
@@ -181,7 +192,7 @@ class MMStorageUnit(StorageUnit):
         with self._occ_lock:
             for p, rs in zip(mm, refs):
                 self._occ[p.traj_id] = tuple(zip(rs, (tuple(int(x) for x in g) for g in p.grids)))
-        groups = {p.traj_id: p.group for p in mm}
+        groups = {p.traj_id: p.group for p in payloads if isinstance(p, MMPayload)}
         return [MMPutRecord(**{f.name: getattr(r, f.name) for f in dc_fields(r)}, group=groups.get(r.traj_id))
                 for r in records]
 
@@ -331,9 +342,10 @@ class MMInProcessDataPlane(InProcessDataPlane):
 def build_mm_inprocess(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], schema: TrajectorySchema = MM_SCHEMA,
                        hash_fn: HashFn = encoding_hash_fn, balance_slack: float = 0.05, equal_counts: bool = True,
                        prepare: PrepareConfig | None = None,
-                       policy: "AdmissionPolicy | None" = None) -> MMInProcessDataPlane:
+                       policy: "AdmissionPolicy | None" = None, dedup: bool = True) -> MMInProcessDataPlane:
     """``build_inprocess`` with ``MMStorageUnit``s and the group-keeping ``MMController`` (admitting through
-    ``policy`` when given, as ``knittrans.handoff`` does)."""
+    ``policy`` when given, as ``knittrans.handoff`` does). ``dedup`` False: units store and move every image
+    occurrence (the plain twin)."""
     ctrl = MMController(schema, unit_nodes, ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts), policy)
-    units = {u: MMStorageUnit(u, n, schema, hash_fn) for u, n in unit_nodes.items()}
+    units = {u: MMStorageUnit(u, n, schema, hash_fn, dedup) for u, n in unit_nodes.items()}
     return MMInProcessDataPlane(schema, ctrl, units, prepare or PrepareConfig())

@@ -29,11 +29,11 @@ from knittrans.mmdedup.store import StoreStats
 class MMUnitHost(UnitHost):
     """An ``MMStorageUnit`` behind the storage-unit actor API, plus its encoding-store statistics."""
 
-    def __init__(self, unit_id: str, node: str, schema: TrajectorySchema, hash_fn: HashFn) -> None:
+    def __init__(self, unit_id: str, node: str, schema: TrajectorySchema, hash_fn: HashFn, dedup: bool = True) -> None:
         import torch
 
         torch.set_num_threads(1)
-        self.unit = MMStorageUnit(unit_id, node, schema, hash_fn)
+        self.unit = MMStorageUnit(unit_id, node, schema, hash_fn, dedup)
 
     def store_stats(self) -> StoreStats:
         return self.unit.store_stats()
@@ -60,8 +60,10 @@ class MMRayDataPlane(RayDataPlane):
 
 def build_mm_ray(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], schema: TrajectorySchema = MM_SCHEMA,
                  hash_fn: HashFn = encoding_hash_fn, balance_slack: float = 0.05, equal_counts: bool = True,
-                 prepare: PrepareConfig | None = None, policy=None) -> MMRayDataPlane:  # noqa: ANN001 - AdmissionPolicy
-    """``build_ray`` with ``MMStorageUnitActor``s and the ``MMController``. Ray must already be initialized."""
+                 prepare: PrepareConfig | None = None, policy=None,  # noqa: ANN001 - an AdmissionPolicy
+                 dedup: bool = True) -> MMRayDataPlane:
+    """``build_ray`` with ``MMStorageUnitActor``s and the ``MMController``. Ray must already be initialized.
+    ``dedup`` False: units store and move every image occurrence (the plain twin)."""
     if not ray.is_initialized():
         raise RuntimeError("build_mm_ray: call ray.init(...) first")
     cfg = ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts)
@@ -69,7 +71,7 @@ def build_mm_ray(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], sch
     for u, node in unit_nodes.items():
         strategy = _node_affinity(node)
         opts = {"scheduling_strategy": strategy} if strategy is not None else {}
-        units[u] = MMStorageUnitActor.options(**opts).remote(u, node, schema, hash_fn)
+        units[u] = MMStorageUnitActor.options(**opts).remote(u, node, schema, hash_fn, dedup)
     ctrl = ControllerActor.remote(schema, dict(unit_nodes), cfg, units, MMController, policy)
     dp = MMRayDataPlane(schema, ctrl, units, prepare or PrepareConfig())
     ray.get([ctrl.stats.remote(), *(a.stats.remote() for a in units.values())])  # wait until all are up

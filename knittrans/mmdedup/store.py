@@ -4,6 +4,10 @@ Modelled on nano-vllm's prefix cache: a ``key -> slots`` map (a list per key, so
 the key get two slots), a refcount per slot, and a byte comparison on every key hit, so a hash collision can never
 alias two inputs. Slot ids are never reused, so a stale ``EncodingRef`` can never reach another encoding.
 
+The plain twin (``dedup=False``): every put gets its own slot under a unique key (no hashing, no lookup), so the
+store holds -- and a fetch moves -- one copy per occurrence, exactly as a path without deduplication would. Same
+API, same refcounts; benchmarks and tests run both on the same inputs.
+
 Ownership: a trajectory is registered with the encodings it shows (``register``), taking one reference per
 occurrence (a trajectory that shows the same image twice holds two); ``consume`` (the trainer has used the
 trajectory) releases them; the slot is freed when its count reaches zero. Every operation validates all of its
@@ -75,11 +79,13 @@ class _Slot:
 class EncodingStore:
     """Content-addressed, refcounted storage of image encodings (see the module doc)."""
 
-    def __init__(self, hash_fn: HashFn = encoding_hash_fn, copy: bool = True) -> None:
+    def __init__(self, hash_fn: HashFn = encoding_hash_fn, copy: bool = True, dedup: bool = True) -> None:
         """``hash_fn`` computes digests (tests pass a weak one to force collisions); ``copy`` stores a private
-        copy of each new encoding (off only when the caller guarantees it never mutates what it put)."""
+        copy of each new encoding (off only when the caller guarantees it never mutates what it put); ``dedup``
+        False stores every occurrence in its own slot (the plain twin, see the module doc)."""
         self._hash_fn = hash_fn
         self._copy = copy
+        self.dedup = dedup
         self._lock = threading.Lock()
         self._by_key: dict[EncodingKey, list[int]] = {}
         self._slots: dict[int, _Slot] = {}
@@ -137,12 +143,16 @@ class EncodingStore:
         for t in encodings:
             check_encoding(t)
         cpu = [t.detach().contiguous() for t in encodings]
-        keys = content_keys(cpu, self._hash_fn)  # hashing outside the lock: it is the expensive part
+        # hashing outside the lock: it is the expensive part (the plain twin skips it: its keys are unique)
+        keys = _keys_once_per_view(cpu, self._hash_fn) if self.dedup else [None] * len(cpu)
         with self._lock:
             refs = []
             for key, t in zip(keys, cpu):
                 self._puts += 1
-                slot_id = self._find_locked(key, t)
+                if key is None:  # dedup off: a fresh key per occurrence, never found again
+                    key = EncodingKey(self._next_slot.to_bytes(16, "little"), str(t.dtype).removeprefix("torch."),
+                                      tuple(t.shape))
+                slot_id = self._find_locked(key, t) if self.dedup else None
                 if slot_id is None:
                     slot_id = self._next_slot
                     self._next_slot += 1
@@ -222,6 +232,22 @@ class EncodingStore:
                 if not chain:
                     del self._by_key[s.key]
                 del self._slots[slot_id]
+
+
+def _keys_once_per_view(tensors: Sequence[torch.Tensor], hash_fn: HashFn) -> list[EncodingKey]:
+    """``content_keys`` with each memory view hashed once: a GRPO group's n samples usually pass the very same
+    tensor (one view, hence the same bytes), which needs one digest, not n."""
+    first: dict[tuple, int] = {}
+    unique: list[torch.Tensor] = []
+    where = []
+    for t in tensors:
+        view = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        if view not in first:
+            first[view] = len(unique)
+            unique.append(t)
+        where.append(first[view])
+    keys = content_keys(unique, hash_fn)
+    return [keys[i] for i in where]
 
 
 def _nbytes(t: torch.Tensor) -> int:

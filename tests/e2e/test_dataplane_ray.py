@@ -132,36 +132,37 @@ def test_transferqueue_adapter_returns_the_same_share_bytes(ray_local):
 
 
 def test_multi_batch_passes_move_each_batch_once_on_every_system(ray_local):
-    """The steady-state (multi-batch) exposed pass over Ray: KnitTrans delivers every batch exactly once; the
+    """The steady-state (multi-batch) pass over Ray: knittrans.Handoff delivers every batch exactly once (admitted
+    by its controller as the producers' completing puts arrive, acked after each step, every drop confirmed); the
     centralized driver moves gather (ragged) + scatter (dense) bytes per batch, in both padding modes."""
     from baselines.centralized import CentralizedConfig, balance_plan, build_dense_batch
-    from repro.transfer import (Centralized, KnitTransRay, RankActor, SignalActor, TextWorkload, TransferConfig,
-                                text_workload)
+    from baselines.centralized_system import CentralizedSystem
+    from knittrans.bench import BenchLayout, KnitTransSystem
+    from knittrans.bench.ray_ranks import RaySession
+    from knittrans.handoff import Transport
+    from workloads.transfer_data import TextPasses
 
-    cfg = TransferConfig(text=TextWorkload(num_prompts=4, group_size=4, prompt_len_mean=16, response_len_median=32,
-                                           max_response_len=128, max_prompt_len=64),
-                         num_minibatches=2, num_batches=3, warmup_batches=1, lead_steps=1, logger="none")
-    wl = text_workload(cfg)
-    ranks = [RankActor.remote(r) for r in range(cfg.num_ranks)]
-    signals = SignalActor.remote()
-    ray.get([r.ready.remote() for r in ranks])
-    datas = [wl.make_pass(500 + i) for i in range(cfg.num_batches)]
-    kt = KnitTransRay(cfg, wl.schema, ranks, prefetch=True, signals=signals)
-    try:
-        res = kt.run_steady(datas, iters_per_token=0.0)
-        stats = kt.dp.controller_stats()
-        assert stats.released_minibatches == cfg.num_batches * cfg.num_minibatches
-        assert stats.claims == cfg.num_batches * cfg.num_minibatches * cfg.num_ranks
-    finally:
-        kt.close()
-    assert len(res.exposed) == cfg.num_batches - cfg.warmup_batches and res.bytes_moved == datas[0].nbytes
-    for pad_to in ("longest", "max"):
-        datas = [wl.make_pass(600 + 10 * (pad_to == "max") + i) for i in range(cfg.num_batches)]
-        res = Centralized(cfg, ranks, signals, pad_to=pad_to).run_steady(datas, iters_per_token=0.0)
-        d = datas[-1]
-        plan = balance_plan(d.minibatches, d.tokens, cfg.num_ranks)
-        dense = build_dense_batch([list(d.payloads)], d.prompts, d.prompt_of, d.group_size, plan,
-                                  CentralizedConfig(pad_to=pad_to, max_prompt_len=64, max_response_len=128))
-        assert res.bytes_moved == d.nbytes + dense.nbytes  # gather + scatter, the same for every batch
-        assert len(res.exposed) == cfg.num_batches - cfg.warmup_batches
-        assert all(len(row) == cfg.num_minibatches for row in res.exposed)
+    layout = BenchLayout(num_ranks=2, num_units=2, lead_steps=1, warmup_batches=1)
+    src = TextPasses(TextDataConfig(num_prompts=4, group_size=4, prompt_len_mean=16, response_len_median=32,
+                                    max_response_len=128), num_minibatches=2, num_producers=2)
+    with RaySession(layout.num_ranks) as session:
+        datas = [src.make(500 + i) for i in range(3)]
+        kt = KnitTransSystem("knittrans-ray", layout, Transport.RAY, session=session)
+        try:
+            res = kt.run_steady(datas, iters_per_token=0.0)
+            stats, units = kt.handoff(datas[0]).stats()
+            assert stats.released_minibatches == stats.admitted == 3 * 2
+            assert stats.claims == 3 * 2 * layout.num_ranks and stats.completed == 3 * 16
+            assert all(u.num_trajectories == 0 for u in units)  # wait_drained: every unit confirmed its drops
+        finally:
+            kt.close()
+        assert len(res.exposed) == 2 and res.bytes_moved == datas[0].field_nbytes and res.live_bytes_after == 0
+        for pad_to in ("longest", "max"):
+            datas = [src.make(600 + 10 * (pad_to == "max") + i) for i in range(3)]
+            conf = CentralizedConfig(pad_to=pad_to, max_prompt_len=64, max_response_len=128)
+            res = CentralizedSystem(f"centralized-{pad_to}", layout, session, conf).run_steady(datas, 0.0)
+            d = datas[-1]
+            plan = balance_plan(d.minibatches, d.tokens, layout.num_ranks)
+            dense = build_dense_batch([d.payloads()], d.prompts, d.prompt_of, d.group_size, plan, conf)
+            assert res.bytes_moved == d.field_nbytes + dense.nbytes  # gather + scatter, the same for every batch
+            assert len(res.exposed) == 2 and all(len(row) == 2 for row in res.exposed)

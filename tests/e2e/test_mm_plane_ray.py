@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import sys
-import time
 
 import pytest
 
@@ -92,8 +91,7 @@ def test_ray_ranks_fetch_each_distinct_image_of_their_share_once(dp):
             seen += traj_ids
     assert moved == distinct
     assert sorted(seen) == sorted(group_of)  # every trajectory delivered once, none twice
-    deadline = time.monotonic() + 10  # the controller's drops are fire-and-forget: let them land
-    while dp.live_bytes() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    dp.controller.wait_released(2, timeout=30)  # the ranks' acks are fire-and-forget: both mini-batches released
+    dp.wait_drained(timeout=30)  # ... and every drop the controller sent confirmed by its unit (no polling)
     assert dp.live_bytes() == 0
     assert all(s.live_refs == 0 for s in dp.store_stats().values())

@@ -7,7 +7,6 @@ import pytest
 
 from baselines.centralized import CentralizedConfig, balance_plan, build_dense_batch, rank_minibatches, real_tokens
 from baselines.transferqueue_adapter import required_ray_cpus, transferqueue_available
-from knittrans.dataplane import MiniBatchKey
 from knittrans.dataplane.harness import (MiniBatchTiming, RankTrace, Signals, steady_state_exposed,
                                          summarize_exposed)
 from workloads.text_data import TextDataConfig, make_text_batch
@@ -63,20 +62,25 @@ def test_transferqueue_adapter_reports_availability_and_cpus():
     assert required_ray_cpus(2) == 3
 
 
-def test_tiny_transfer_table_runs_in_process(tmp_path):
+def test_tiny_transfer_table_runs_in_process_and_logs_one_row_per_pass_and_system(tmp_path):
+    from repro.spec.transfer import TextTransferTrial
     from repro.transfer import TextWorkload, TransferConfig, run
 
-    cfg = TransferConfig(text=TextWorkload(num_prompts=4, group_size=4, prompt_len_mean=16, response_len_median=32,
-                                           response_len_sigma=1.0, max_response_len=128),
-                         systems=["knittrans-inproc"], num_minibatches=2, compute_s_per_minibatch=0.01, repeats=1,
+    cfg = TransferConfig(text=TextWorkload(prompts_per_batch=4, group_size=4, prompt_len_mean=16,
+                                           response_len_median=32, response_len_sigma=1.0, max_response_len=128),
+                         systems=["knittrans-inproc"], num_minibatches=2, compute_s_per_minibatch=0.01, passes=2,
                          logger="none", out_dir=str(tmp_path))
     res = run(cfg)
-    (row,) = res.rows
     batch = make_text_batch(TextDataConfig(num_prompts=4, group_size=4, prompt_len_mean=16, response_len_median=32,
                                            max_response_len=128, seed=0))
-    assert row["system"] == "knittrans-inproc" and row["bytes_moved"] == batch.nbytes
-    assert len([k for k in row if k.startswith("exposed_mb") and k[10:-2].isdigit()]) == 2
+    assert [(r.pass_index, r.system) for r in res.trials] == [(0, "knittrans-inproc"), (1, "knittrans-inproc")]
+    assert all(isinstance(r, TextTransferTrial) and r.bytes_moved == batch.nbytes and r.measured_batches == 2
+               and r.live_bytes_after == 0 for r in res.trials)
+    (row,) = res.rows
+    assert row["system"] == "knittrans-inproc" and row["passes"] == 2
     assert (tmp_path / "exposed_latency.png").exists()
+    names = {v.claim.name: v for v in res.verdicts}
+    assert not names["exposed_latency_ratio"].measured.measured  # no centralized row: not measured, no verdict
 
 
 # -- the multi-batch (steady-state) measurement ------------------------------------------------------------------
@@ -147,48 +151,84 @@ def test_padmax_pads_every_row_to_the_configured_maxima_and_keeps_the_data_under
         CentralizedConfig(pad_to="mean")
 
 
-def _tiny_cfg(**kw):
-    from repro.transfer import TextWorkload, TransferConfig
+def _tiny_passes(num_minibatches: int = 2) -> "TextPasses":  # noqa: F821
+    from workloads.transfer_data import TextPasses
 
-    return TransferConfig(text=TextWorkload(num_prompts=4, group_size=4, prompt_len_mean=16, response_len_median=32,
-                                            response_len_sigma=1.0, max_response_len=128, max_prompt_len=64),
-                          num_minibatches=2, compute_s_per_minibatch=0.01, logger="none", **kw)
+    return TextPasses(TextDataConfig(num_prompts=4, group_size=4, prompt_len_mean=16, response_len_median=32,
+                                     response_len_sigma=1.0, max_response_len=128), num_minibatches, num_producers=2)
 
 
-def test_inprocess_multi_batch_pass_delivers_each_batch_once_in_equal_shares():
-    from repro.transfer import KnitTransInProc, text_workload
+def test_inprocess_handoff_pass_delivers_each_batch_once_in_equal_shares_and_releases_everything():
+    from knittrans.bench import BenchLayout, KnitTransSystem
+    from knittrans.handoff import Transport
 
-    cfg = _tiny_cfg(num_batches=3, warmup_batches=1, lead_steps=1)
-    wl = text_workload(cfg)
-    datas = [wl.make_pass(10 + i) for i in range(cfg.num_batches)]
-    sysm = KnitTransInProc(cfg, wl.schema)
+    layout = BenchLayout(num_ranks=2, num_units=2, lead_steps=1, warmup_batches=1)
+    src = _tiny_passes()
+    datas = [src.make(10 + i) for i in range(3)]
+    sysm = KnitTransSystem("knittrans-inproc", layout, Transport.INPROCESS)
     try:
         res = sysm.run_steady(datas, iters_per_token=0.0)
-        ctrl = sysm.dp.controller
-        assert ctrl.stats().released_minibatches == cfg.num_batches * cfg.num_minibatches  # all consumed
-        assert ctrl.stats().claims == cfg.num_batches * cfg.num_minibatches * cfg.num_ranks  # once per rank
-        for d in datas:
-            for mb in d.minibatches:
-                shares = ctrl.admitted(MiniBatchKey(mb.batch_id, mb.index)).shares
-                assert sorted(t for s in shares for t in s) == sorted(mb.traj_ids)  # each id to one rank
-                assert {len(s) for s in shares} == {len(mb.traj_ids) // cfg.num_ranks}
-        assert all(u.stats().num_trajectories == 0 for u in sysm.dp.units.values())  # released at the units
+        h = sysm.handoff(datas[0])
+        ctrl, units = h.stats()
+        assert ctrl.released_minibatches == ctrl.admitted == 3 * 2  # every admitted mini-batch trained and acked
+        assert ctrl.claims == 3 * 2 * layout.num_ranks  # each share claimed once
+        assert ctrl.completed == sum(len(d.rollouts) for d in datas)  # admission saw every completing put
+        recs = h.records()
+        assert sorted(r.traj_id for r in recs) == sorted(r.traj.traj_id for d in datas for r in d.rollouts)
+        for seq in range(6):  # each admitted mini-batch went to the ranks in equal counts, each trajectory once
+            adm = h.plane.controller.next_admitted(seq, timeout=1)
+            assert sorted(t for s in adm.shares for t in s) == sorted(adm.traj_ids)
+            assert {len(s) for s in adm.shares} == {len(adm.traj_ids) // layout.num_ranks}
+        assert all(u.num_trajectories == 0 and u.nbytes == 0 for u in units)  # released at the units
     finally:
         sysm.close()
-    assert len(res.exposed) == cfg.num_batches - cfg.warmup_batches
-    assert all(len(row) == cfg.num_minibatches and min(row) >= 0.0 for row in res.exposed)
-    assert res.bytes_moved == datas[0].nbytes == make_text_batch(TextDataConfig(
-        num_prompts=4, group_size=4, prompt_len_mean=16, response_len_median=32, max_response_len=128)).nbytes
+    assert len(res.exposed) == 3 - layout.warmup_batches
+    assert all(len(row) == 2 and min(row) >= 0.0 for row in res.exposed)
+    assert res.bytes_moved == datas[0].field_nbytes and res.live_bytes_after == 0
 
 
-def test_transfer_config_rejects_a_pass_without_measured_batches():
-    from repro.transfer import check_steady
+def test_bench_layout_rejects_a_pass_without_measured_batches():
+    from knittrans.bench import BenchLayout
 
     with pytest.raises(ValueError, match="warmup_batches"):
-        check_steady(_tiny_cfg(num_batches=1, warmup_batches=1))
+        BenchLayout(warmup_batches=1).check(num_batches=1, num_minibatches=2)
     with pytest.raises(ValueError, match="lead_steps"):
-        check_steady(_tiny_cfg(lead_steps=3))
-    check_steady(_tiny_cfg())
+        BenchLayout(lead_steps=3).check(num_batches=3, num_minibatches=2)
+    BenchLayout().check(num_batches=3, num_minibatches=2)
+
+
+def test_transfer_config_names_unknown_systems_and_workloads():
+    from repro.transfer import TransferConfig
+
+    with pytest.raises(ValueError, match="systems.*'bogus'"):
+        TransferConfig(systems=["centralized", "bogus"])
+    with pytest.raises(ValueError, match="workload"):
+        TransferConfig(workload="video")
+
+
+def test_interleaved_passes_rotate_the_order_and_give_every_system_the_same_content_per_slot():
+    from knittrans.bench import PassKind, PassResult, interleaved_passes
+
+    class Recorder:
+        def __init__(self, name):
+            self.name, self.seen = name, []
+
+        def run_steady(self, batches, ipt):
+            self.seen += [(d.batch_id, d.rollouts[0].traj.traj_id) for d in batches]
+            return PassResult(PassKind.STEADY)
+
+        def run_raw(self, batch):
+            self.seen.append((batch.batch_id, batch.rollouts[0].traj.traj_id))
+            return PassResult(PassKind.RAW, raw_s=1.0)
+
+        def close(self):
+            pass
+
+    a, b = Recorder("a"), Recorder("b")
+    recs = interleaved_passes([a, b], 2, _tiny_passes().make, num_batches=2, iters_per_token=0.0)
+    assert [(r.pass_index, r.system) for r in recs] == [(0, "a"), (0, "b"), (1, "b"), (1, "a")]
+    ids = [t for _, t in a.seen + b.seen]
+    assert len(ids) == len(set(ids))  # fresh ids for every batch of the run (warm-up included)
 
 
 def test_scale_presets_compose_and_paper_is_dapo_sized():
@@ -203,7 +243,20 @@ def test_scale_presets_compose_and_paper_is_dapo_sized():
         default = OmegaConf.to_object(compose(config_name="transfer"))
         paper = OmegaConf.to_object(compose(config_name="transfer", overrides=["scale=paper"]))
         mixed = OmegaConf.to_object(compose(config_name="transfer", overrides=["scale=paper", "num_ranks=4"]))
-    assert default.scale == "default" and paper.scale == "paper"
-    assert paper.text.num_prompts * paper.text.group_size == 8192 and paper.num_minibatches == 16
+        mm = OmegaConf.to_object(compose(config_name="transfer", overrides=["workload=multimodal"]))
+    assert default.scale == "default" and paper.scale == "paper" and mm.out_dir == "results/transfer-multimodal"
+    assert paper.text.prompts_per_batch * paper.text.group_size == 8192 and paper.num_minibatches == 16
     assert paper.text.max_response_len == 20480 and mixed.num_ranks == 4  # the command line wins over a preset
-    assert default.text.num_prompts * default.text.group_size == 1024
+    assert default.text.prompts_per_batch * default.text.group_size == 1024 and default.passes == 3
+
+
+def test_several_raw_passes_count_as_their_median_time_and_keep_every_get_and_the_worst_leftover():
+    from knittrans.bench import PassKind, PassResult
+    from knittrans.bench.loop import median_raw
+
+    runs = [PassResult(PassKind.RAW, raw_s=t, get_s=(t,), bytes_moved=10, live_bytes_after=live)
+            for t, live in ((0.3, 0), (5.0, 4), (0.2, 0))]
+    r = median_raw(runs)
+    assert r.raw_s == 0.3 and r.get_s == (0.3, 5.0, 0.2) and r.live_bytes_after == 4 and r.bytes_moved == 10
+    with pytest.raises(ValueError, match="raw"):
+        median_raw([PassResult(PassKind.STEADY)])

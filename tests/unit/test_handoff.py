@@ -181,3 +181,16 @@ def test_a_policy_that_cannot_split_a_batch_fails_every_waiter_instead_of_hangin
         h.put([rollout(t) for t in range(N)])
     with pytest.raises(AdmissionError, match="no split"):
         h.consumer().take(1)
+
+
+def test_a_consumer_with_a_count_stops_there_and_the_next_one_resumes_without_losing_a_share():
+    h = Handoff(cfg())
+    for b in range(2):
+        h.add_batch(plan(b))
+    h.put([rollout(t, t // (P * N)) for t in range(2 * P * N)])  # not sealed: the stream has no end yet
+    first = h.consumer(count=M)
+    assert [s.seq for s in first] == list(range(M))  # ends after M shares instead of waiting for more
+    second = h.consumer(start_seq=M, count=M)  # its prefetcher never claimed past its count: nothing is taken
+    assert [s.seq for s in second] == list(range(M, 2 * M))
+    with pytest.raises(ValueError, match="count"):
+        h.consumer(count=-1)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from knittrans.dataplane import AlreadyConsumedError, SchemaMismatchError
+from knittrans.dataplane import AlreadyConsumedError, DuplicatePutError, SchemaMismatchError
 from knittrans.mmdedup import EncodingInputError
 from knittrans.mmdedup.plane import IMAGE_FIELD, MMPayload, MMShare, build_mm_inprocess
 from knittrans.types import MiniBatch
@@ -134,3 +134,38 @@ def test_delivery_is_exactly_once_and_bad_input_changes_nothing():
     dp.client().fetch(mb, rank=0)
     with pytest.raises(AlreadyConsumedError):
         dp.client().fetch(mb, rank=0)
+
+
+def test_the_plain_twin_stores_and_moves_every_occurrence_and_still_releases_everything():
+    groups = _groups(n=4, prompts=2, k=1)
+    dp = build_mm_inprocess(UNITS, RANKS, dedup=False)
+    _put_all(dp, groups)
+    assert dp.live_bytes() == 4 * _distinct_bytes(groups)  # one stored copy per sample
+    moved = 0
+    for mb in _minibatches(groups, 1):
+        dp.controller.admit(mb)
+        for r in range(len(RANKS)):
+            share = dp.client().fetch(mb, rank=r)
+            moved += share.pixel_nbytes
+            assert share.pixel_nbytes == share.occurrence_nbytes  # nothing deduplicated on the way
+    assert moved == 4 * _distinct_bytes(groups) and dp.live_bytes() == 0
+
+
+def test_fields_put_after_the_images_complete_a_trajectory_and_images_are_put_once():
+    (g,) = _groups(n=2, prompts=1, k=1)
+    dp = build_mm_inprocess({"u0": "n0"}, ("n0",))
+    c = dp.client("u0")
+    first = [MMPayload(p.traj_id, {k: v for k, v in p.tensors.items() if k != "advantages"}, group=0,
+                       encodings=p.encodings, grids=p.grids) for p in _payloads(g, 0)]
+    c.put(first)
+    later = [MMPayload(p.traj_id, {"advantages": p.tensors["advantages"]}, group=0) for p in _payloads(g, 0)]
+    with pytest.raises(DuplicatePutError, match="already written"):  # images come with the first put, once
+        c.put([MMPayload(later[0].traj_id, later[0].tensors, group=0, encodings=first[0].encodings,
+                         grids=first[0].grids)])
+    assert dp.units["u0"].store.stats().live_refs == 2  # the refused put changed nothing
+    c.put(later)  # fields that exist only at completion, without images: a plain field put
+    mb = MiniBatch(0, 0, tuple(p.traj_id for p in first), (0,), 0)
+    dp.controller.admit(mb)
+    share = dp.client().fetch(mb, rank=0)
+    assert set(share.fields) == {"input_ids", "old_logprobs", "advantages", "loss_mask", IMAGE_FIELD}
+    assert len(share.images.pixels) == 1 and dp.live_bytes() == 0

@@ -179,3 +179,26 @@ def test_live_slots_equal_distinct_contents_of_live_trajectories(ops, weak):
         for t, c in live.items():
             (r,) = s.refs_of(t)
             assert torch.equal(s.get(r), pool[c]) and s.refcount(r) == sum(v == c for v in live.values())
+
+
+def test_the_plain_twin_gives_every_occurrence_its_own_slot_and_frees_them_all():
+    s = EncodingStore(dedup=False)
+    img = torch.ones(4, 6)
+    refs = s.put([img, img, img.clone()])
+    assert len({r.slot for r in refs}) == 3 and len({r.key for r in refs}) == 3
+    assert s.stats().live_bytes == 3 * 96 and s.stats().hits == 0
+    s.release(refs)
+    assert len(s) == 0 and s.stats().live_bytes == 0
+
+
+def test_one_put_hashes_each_shared_view_once():
+    calls = []
+
+    def counting_hash(ts):
+        calls.append(len(ts))
+        return encoding_hash_fn(ts)
+
+    s = EncodingStore(hash_fn=counting_hash)
+    img = torch.randn(4, 6)
+    refs = s.put([img] * 8 + [img.clone()])  # a group's 8 samples share one tensor; a copy has other memory
+    assert calls == [2] and len({r.slot for r in refs}) == 1 and s.refcount(refs[0]) == 9

@@ -1,0 +1,215 @@
+"""KnitTrans as the tables measure it: the ``knittrans.Handoff`` a user imports, on either transport.
+
+Per pass, exactly what a user's RL loop does with the handoff: the batch plans are announced (``add_batch``); the
+rollout engines stream each trajectory's fields (and a multimodal prompt's images) to the storage unit on their
+node while they generate, and at completion put the rest with the trajectory's metadata through their
+``Producer`` -- admission runs in the controller as those puts arrive; each trainer rank iterates its
+``Consumer`` (prefetched: mini-batch k+1 is claimed, read and packed while k computes) and acks each share after
+its step. Nothing is admitted by hand. ``prefetch=False`` fetches each share only when the rank asks for it
+(still admitted by the controller, still acked after the step): what overlap buys. The raw pass runs the same
+consumers without compute (with nothing to hide behind, the prefetcher's fetches run back to back: no overlap
+credit).
+
+Ranks are threads of this process (``Transport.INPROCESS``) or the session's ``RankActor``s (``Transport.RAY``;
+controller and units are actors too). After every pass the system waits for the version to reach the steps
+trained and for every unit's drop to be confirmed (``wait_drained``), then records what the units still hold
+(``PassResult.live_bytes_after``: 0 when every byte was released).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from knittrans.bench.loop import Notify, completion_times, finish_raw, finish_steady, rank_loop
+from knittrans.bench.types import COMPLETION_FIELDS, BenchLayout, Obtained, PassData, PassResult
+from knittrans.dataplane.harness import RankTrace, Signals
+from knittrans.dataplane.types import PackedShare, TrajectoryPayload
+from knittrans.handoff import Consumer, Handoff, HandoffConfig, Rollout, Transport
+
+ADMIT_TIMEOUT_S = 600.0
+"""A rank (or the driver) waiting longer than this for a share or a signal fails the pass instead of hanging."""
+
+
+@dataclass
+class ConsumerSource:
+    """A KnitTrans rank's steps from its handoff ``Consumer``: the prefetching iterator, or (``prefetch=False``)
+    a fetch of the next admitted share when the rank asks. Either way the share is acked after the step."""
+
+    consumer: Consumer
+    prefetch: bool = True
+    _held: dict[int, PackedShare] = field(default_factory=dict)
+
+    def open(self, rank: int) -> None:
+        if rank != self.consumer.rank:
+            raise ValueError(f"consumer of rank {self.consumer.rank} opened by rank {rank}")
+        self._it = iter(self.consumer) if self.prefetch else None
+
+    def obtain(self, step: int) -> Obtained:
+        c = self.consumer
+        if self._it is not None:
+            share = next(self._it, None)
+            if share is None:
+                raise RuntimeError(f"rank {c.rank}: the handoff ended before step {step}")
+            get_s = c.events[-1].fetch_s
+        else:
+            seq = c.start_seq + step
+            c.client.controller.next_admitted(seq, ADMIT_TIMEOUT_S)  # the get's latency excludes the wait for it
+            t = time.perf_counter()
+            share = c.client.fetch_next(seq, c.rank, c.fields, timeout=ADMIT_TIMEOUT_S, ack=False)
+            get_s = time.perf_counter() - t
+        self._held[step] = share
+        return Obtained(share.nbytes, share.num_tokens, get_s, int(getattr(share, "pixel_nbytes", 0)))
+
+    def release(self, step: int) -> None:
+        self.consumer.ack(self._held.pop(step))
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+class KnitTransSystem:
+    """``TransferSystem`` over one ``Handoff`` (see the module docstring). ``session``: the table's
+    ``ray_ranks.RaySession`` (required for ``Transport.RAY``)."""
+
+    def __init__(self, name: str, layout: BenchLayout, transport: Transport, multimodal: bool = False,
+                 prefetch: bool = True, session=None, dedup: bool = True) -> None:  # noqa: ANN001 - a RaySession
+        if Transport(transport) is Transport.RAY and session is None:
+            raise ValueError(f"{name}: the Ray transport needs a RaySession (its rank actors and signal board)")
+        self.name, self.layout, self.transport = name, layout, Transport(transport)
+        self.multimodal, self.prefetch, self.session, self.dedup = multimodal, prefetch, session, dedup
+        self._handoff: Handoff | None = None
+        self._seq = 0  # mini-batches admitted so far (the next pass's consumers start here)
+
+    # -- the handoff and the rollout side ----------------------------------------------------------------------
+
+    def handoff(self, d: PassData) -> Handoff:
+        """The system's handoff, built for ``d``'s batch shape on first use and kept across passes."""
+        if self._handoff is None:
+            lay = self.layout
+            self._handoff = Handoff(HandoffConfig.grpo(
+                prompts_per_batch=len(d.plan.groups), group_size=d.group_size, num_minibatches=d.num_minibatches,
+                max_response_len=d.max_response_len, transport=self.transport,
+                units=tuple(lay.unit_nodes.items()), rank_nodes=lay.rank_nodes, multimodal=self.multimodal,
+                dedup=self.dedup, prefetch_depth=lay.prefetch_depth, admit_timeout_s=ADMIT_TIMEOUT_S))
+        return self._handoff
+
+    def _by_unit(self, d: PassData) -> dict[str, list[Rollout]]:
+        out: dict[str, list[Rollout]] = {}
+        for r in d.rollouts:
+            out.setdefault(self.layout.unit(d.producer_of[r.traj.traj_id]), []).append(r)
+        return out
+
+    def stream(self, h: Handoff, d: PassData) -> None:
+        """What the rollout engines write while they generate (before t0): every field but the completion
+        fields, and a multimodal prompt's images; no metadata yet, so nothing is complete or admitted."""
+        from knittrans.mmdedup.plane import MMPayload
+
+        for unit, rs in self._by_unit(d).items():
+            payloads = []
+            for r in rs:
+                fields = {k: v for k, v in r.tensors.items() if k not in COMPLETION_FIELDS}
+                payloads.append(MMPayload(r.traj.traj_id, fields, group=r.traj.group_id, encodings=r.images,
+                                          grids=r.grids) if self.multimodal
+                                else TrajectoryPayload(r.traj.traj_id, fields))
+            h.plane.client(unit).put(payloads)
+
+    def complete(self, h: Handoff, d: PassData) -> None:
+        """At t0: each producer puts its trajectories' completion fields with their metadata; the controller
+        completes them and admits every mini-batch its policy commits."""
+        for unit, rs in self._by_unit(d).items():
+            h.producer(unit).put([Rollout(r.traj, {k: r.tensors[k] for k in COMPLETION_FIELDS}) for r in rs])
+
+    # -- passes ----------------------------------------------------------------------------------------------
+
+    def run_steady(self, batches: Sequence[PassData], iters_per_token: float) -> PassResult:
+        h = self.handoff(batches[0])
+        n, m, tag = len(batches), batches[0].num_minibatches, batches[0].batch_id
+        self.layout.check(n, m)
+        for d in batches:
+            h.add_batch(d.plan)
+        for d in batches:  # written while generating, before t0 (as for every system)
+            self.stream(h, d)
+        traces, t0 = self._run(h, n, m, iters_per_token, self.prefetch, tag,
+                               lambda b: self.complete(h, batches[b]), steady=True)
+        return finish_steady(traces, t0, self.layout.warmup_batches, live_bytes_after=self._settle(h))
+
+    def run_raw(self, batch: PassData) -> PassResult:
+        h = self.handoff(batch)
+        h.add_batch(batch.plan)
+        self.stream(h, batch)
+        traces, t0 = self._run(h, 1, batch.num_minibatches, 0.0, self.prefetch, batch.batch_id,
+                               lambda b: self.complete(h, batch), steady=False)
+        return finish_raw(traces, t0[0], live_bytes_after=self._settle(h))
+
+    def _run(self, h: Handoff, n: int, m: int, iters_per_token: float, prefetch: bool, tag: int,
+             complete, steady: bool) -> tuple[list[RankTrace], dict[int, float]]:  # noqa: ANN001
+        """Start every rank on its consumer of the next ``n * m`` shares, run the rollout clock, collect."""
+        start, count = self._seq, n * m
+        self._seq += count
+        sources = [ConsumerSource(h.consumer(r, start_seq=start, count=count), prefetch)
+                   for r in range(self.layout.num_ranks)]
+        if self.transport is Transport.RAY:
+            import ray
+
+            from knittrans.bench.ray_ranks import RankRun, actor_wait
+
+            s = self.session
+            runs = [rk.run.remote(src, RankRun(n, m, iters_per_token, tag=tag, signals=s.signals))
+                    for rk, src in zip(s.ranks, sources)]
+            t0 = self._clock(n, m, tag, actor_wait(s.signals), complete, steady)
+            return ray.get(runs), t0
+        signals = Signals()
+        return self._threads(sources, n, m, iters_per_token, tag, signals.set,
+                             lambda: self._clock(n, m, tag, lambda k: signals.wait(k, ADMIT_TIMEOUT_S), complete,
+                                                 steady))
+
+    def _clock(self, n: int, m: int, tag: int, wait_step, complete, steady: bool) -> dict[int, float]:  # noqa: ANN001
+        if steady:
+            return completion_times(self.layout, n, m, tag, wait_step, complete)
+        t0 = {0: time.perf_counter()}
+        complete(0)
+        return t0
+
+    def _threads(self, sources: list[ConsumerSource], n: int, m: int, iters_per_token: float, tag: int,
+                 notify: Notify, clock) -> tuple[list[RankTrace], dict[int, float]]:  # noqa: ANN001
+        """In-process ranks: one thread each (torch ops release the GIL), started before the clock runs."""
+        traces: list[RankTrace | None] = [None] * len(sources)
+        errors: list[BaseException] = []
+        started = threading.Barrier(len(sources) + 1)
+
+        def rank_thread(r: int) -> None:
+            started.wait()
+            try:
+                traces[r] = rank_loop(r, sources[r], n, m, iters_per_token, notify=notify, tag=tag)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the driver below
+                errors.append(e)
+
+        threads = [threading.Thread(target=rank_thread, args=(r,), name=f"rank{r}") for r in range(len(sources))]
+        for th in threads:
+            th.start()
+        started.wait()
+        try:
+            t0 = clock()
+        finally:
+            for th in threads:
+                th.join()
+        if errors:
+            raise RuntimeError(f"{self.name}: a rank thread failed") from errors[0]
+        return [t for t in traces if t is not None], t0
+
+    def _settle(self, h: Handoff) -> int:
+        """Wait until every step trained so far is acknowledged and every unit confirmed its drops; return the
+        bytes the units still hold (fields, and encodings for multimodal)."""
+        h.wait_version(self._seq, timeout=ADMIT_TIMEOUT_S)
+        h.wait_drained(timeout=ADMIT_TIMEOUT_S)
+        held = sum(u.nbytes for u in h.plane.unit_stats())
+        live = getattr(h.plane, "live_bytes", None)
+        return held + (live() if live is not None else 0)
+
+    def close(self) -> None:
+        if self._handoff is not None:
+            self._handoff.close()
+            self._handoff = None

@@ -1,0 +1,216 @@
+"""Spec of the transfer tables ("transfer-text", "transfer-multimodal"): one row per (pass, system), claims as pure
+functions of those rows.
+
+Every timing claim is a within-pass ratio (the systems of a pass alternate on the same machine state), decided on
+the median over the K passes and reported with [min, max]. The headline compares KnitTrans and the verl-style
+baseline on the same transport and process layout: both Ray, trainer ranks as actors (``knittrans-ray`` vs
+``centralized``); in-process KnitTrans is a different layout and only a MEASUREMENT. KnitTrans's exposed latency
+is often a few milliseconds per batch, so its ratios have tiny denominators: every such claim says how large the
+denominator was, and denominators below ``FLOOR_S`` count as ``FLOOR_S`` (timer and signalling resolution).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from repro.spec.core import Bound, Claim, ClaimKind, Measured, Trial, median_range, not_measured, trial
+
+GATES = {"transfer-text": "repro.transfer", "transfer-multimodal": "repro.transfer"}
+FLOOR_S = 1e-4
+"""Exposed latencies below 0.1 ms are below what the harness resolves (clock reads, a signal round trip)."""
+TINY_S = 0.02
+"""A denominator under 20 ms per batch is called tiny in the claim's note: a few ms of noise move the ratio."""
+
+
+@dataclass(frozen=True)
+class TransferTrialBase(Trial):
+    """One system in one pass. Times in seconds per batch, bytes per batch; NaN/None where the pass kind did not
+    run."""
+
+    pass_index: int
+    system: str
+    exposed_s: float | None
+    """Steady pass: exposed transfer latency per batch (the slowest rank's wait for data after it was ready,
+    summed over the batch's M mini-batches), averaged over the pass's measured batches. [0, inf)."""
+    exposed_mb0_s: float | None
+    """Of which mini-batch 0 (the one the previous batch's training must hide)."""
+    raw_s: float | None
+    """Raw pass: one batch, no compute: t0 -> every rank holds its share of every mini-batch."""
+    get_s: float | None
+    """Raw pass: mean latency of one get (claim + read + pack; centralized: mini-batch 0 waited for the scatter)."""
+    bytes_moved: int
+    """Payload bytes per batch: what the ranks received (centralized: gather + scatter)."""
+    gbps: float | None
+    """bytes_moved / raw_s, in GB/s."""
+    memcpy_gbps: float
+    """This machine's single-thread memcpy, for scale."""
+    measured_batches: int
+    live_bytes_after: int | None
+    """KnitTrans: bytes its units still held after the pass (every drop confirmed); None for other systems."""
+
+
+@trial("transfer-text")
+@dataclass(frozen=True)
+class TextTransferTrial(TransferTrialBase):
+    pass
+
+
+@trial("transfer-multimodal")
+@dataclass(frozen=True)
+class MMTransferTrial(TransferTrialBase):
+    group_size: int
+    """n: samples per prompt (how often each image recurs in a batch)."""
+    pixel_bytes: int
+    """pixel_values bytes delivered to the ranks per batch (centralized: every occurrence; KnitTrans: each distinct
+    image once per share)."""
+    distinct_pixel_bytes: int
+    """The batch's distinct pixel_values bytes (each image once)."""
+
+
+# -- measures -------------------------------------------------------------------------------------------------
+
+
+def _num(x: float | None) -> float | None:
+    return None if x is None or not math.isfinite(float(x)) else float(x)
+
+
+def _pairs(rows: Sequence[TransferTrialBase], num: str, den: str, field: str) -> list[tuple[float, float]]:
+    """(numerator system's value, denominator system's value) per pass where both were measured."""
+    by = {(r.pass_index, r.system): _num(getattr(r, field)) for r in rows}
+    passes = sorted({r.pass_index for r in rows})
+    return [(by[(p, num)], by[(p, den)]) for p in passes
+            if by.get((p, num)) is not None and by.get((p, den)) is not None]
+
+
+def ratio(num: str, den: str, field: str) -> Callable[[Sequence[Trial]], Measured]:
+    """Median over passes of ``num``'s ``field`` / ``den``'s, with [min, max] and the denominator's size."""
+
+    def measure(rows: Sequence[Trial]) -> Measured:
+        pairs = _pairs(rows, num, den, field)  # type: ignore[arg-type]
+        if not pairs:
+            return not_measured(f"no pass measured both {num} and {den} ({field})")
+        d = float(np.median([b for _, b in pairs]))
+        note = f"{den} median {d * 1e3:.3g} ms per batch"
+        if d < TINY_S:
+            note += f" (tiny denominator: under {TINY_S * 1e3:.0f} ms a few ms of noise move the ratio a lot)"
+        return median_range([a / max(b, FLOOR_S) for a, b in pairs], note)
+    return measure
+
+
+def bytes_ratio(num: str, den: str) -> Callable[[Sequence[Trial]], Measured]:
+    def measure(rows: Sequence[Trial]) -> Measured:
+        pairs = _pairs(rows, num, den, "bytes_moved")  # type: ignore[arg-type]
+        return median_range([a / b for a, b in pairs if b > 0]) if pairs else not_measured(f"no {num}/{den} pass")
+    return measure
+
+
+def pixel_ratio_over_n(rows: Sequence[Trial]) -> Measured:
+    """(centralized pixel bytes / knittrans-ray pixel bytes) / n per pass; the value farthest from 1 decides."""
+    mm = [r for r in rows if isinstance(r, MMTransferTrial)]
+    by = {(r.pass_index, r.system): r for r in mm}
+    vals = []
+    for p in sorted({r.pass_index for r in mm}):
+        c, k = by.get((p, "centralized")), by.get((p, "knittrans-ray"))
+        if c is not None and k is not None and k.pixel_bytes > 0:
+            vals.append(c.pixel_bytes / k.pixel_bytes / k.group_size)
+    if not vals:
+        return not_measured("no pass measured both centralized and knittrans-ray pixel bytes")
+    worst = max(vals, key=lambda v: abs(v - 1.0))
+    return Measured(worst, min(vals), max(vals), len(vals), "min-max",
+                    f"n={mm[0].group_size}; per pass: {', '.join(f'{v:.4g}' for v in vals)}")
+
+
+def live_bytes_after(rows: Sequence[Trial]) -> Measured:
+    vals = [r.live_bytes_after for r in rows if getattr(r, "live_bytes_after", None) is not None]
+    if not vals:
+        return not_measured("no KnitTrans pass recorded what its units held")
+    return Measured(float(max(vals)), float(min(vals)), float(max(vals)), len(vals), "min-max",
+                    "the most any KnitTrans pass left behind")
+
+
+def get_latency_ratio(rows: Sequence[Trial]) -> Measured:
+    if not any(r.system == "transferqueue" for r in rows):  # type: ignore[attr-defined]
+        return not_measured("TransferQueue is not installed (pip install transferqueue): not run")
+    return ratio("transferqueue", "knittrans-ray", "get_s")(rows)
+
+
+# -- claims ----------------------------------------------------------------------------------------------------
+
+T, MM = "transfer-text", "transfer-multimodal"
+SAME_LAYOUT = ("both on Ray: the same trainer-rank actors (one process each), the same seeded trajectories at the same "
+               "positions of each pass, the same emulated compute (matmuls per token, calibrated once per run), the "
+               "same rollout clock (batch b+1 completes when rank 0 starts step M - lead_steps of batch b); what "
+               "changes is the system: verl's driver path with train-batch admission vs knittrans.Handoff (admission "
+               "in the controller, units, prefetching consumers, ack after the step)")
+EXPOSED = ("exposed transfer latency per batch (steady state: the first batch of each pass excluded), "
+           "{num} / {den}, per pass; median over K interleaved passes, [min, max]; range [0, inf)")
+RAW = "raw transfer (one batch, no compute, t0 -> every rank holds every share), {num} / {den}, per pass"
+
+CLAIMS: tuple[Claim, ...] = (
+    Claim("exposed_latency_ratio", T, ClaimKind.TARGET, ">= 10x (KnitTrans exposes <= 10% of the baseline's "
+          "transfer latency)", "x", EXPOSED.format(num="centralized (pad to the batch's longest, build-ahead)",
+                                                  den="knittrans-ray") +
+          ". Gate bound 8 at CI size (512 trajectories, 3 passes, batch b+1 complete two steps before b ends): "
+          "medians 51-1500 on a loaded 2-core machine (single passes down to 2 when other jobs spike), while the "
+          "same handoff without prefetch gives medians 1.3-5.6 (passes up to 6.5)",
+          ratio("centralized", "knittrans-ray", "exposed_s"), bound=Bound(">=", 10.0), gate=Bound(">=", 8.0),
+          comparison=SAME_LAYOUT),
+    Claim("raw_transfer_ratio", T, ClaimKind.MEASUREMENT, "(context)", "x",
+          RAW.format(num="centralized", den="knittrans-ray"), ratio("centralized", "knittrans-ray", "raw_s"),
+          comparison=SAME_LAYOUT),
+    Claim("bytes_ratio", T, ClaimKind.MEASUREMENT, "(context)", "x",
+          "bytes per batch, centralized (gather ragged + scatter padded dense) / knittrans-ray (share payloads)",
+          bytes_ratio("centralized", "knittrans-ray"), comparison=SAME_LAYOUT),
+    Claim("exposed_latency_ratio_padmax", T, ClaimKind.MEASUREMENT, "(context)", "x",
+          EXPOSED.format(num="centralized-padmax (pads to the configured maxima, as verl's rollout ships)",
+                         den="knittrans-ray"), ratio("centralized-padmax", "knittrans-ray", "exposed_s"),
+          comparison=SAME_LAYOUT),
+    Claim("prefetch_exposed_ratio", T, ClaimKind.MEASUREMENT, "(context)", "x",
+          EXPOSED.format(num="knittrans-ray-noprefetch", den="knittrans-ray") + ": what prefetch hides",
+          ratio("knittrans-ray-noprefetch", "knittrans-ray", "exposed_s")),
+    Claim("exposed_latency_ratio_inproc", T, ClaimKind.MEASUREMENT, "(context)", "x",
+          EXPOSED.format(num="centralized (Ray)", den="knittrans-inproc (threads of one process)"),
+          ratio("centralized", "knittrans-inproc", "exposed_s"),
+          comparison="different layouts (Ray actors vs threads of one process): not a like-for-like comparison"),
+    Claim("tq_get_latency_ratio", T, ClaimKind.MEASUREMENT, "(context)", "x",
+          "mean get latency per (mini-batch, rank) in the raw pass, transferqueue / knittrans-ray; not measured when "
+          "TransferQueue is not installed", get_latency_ratio),
+    Claim("mm_transfer_latency_ratio", MM, ClaimKind.TARGET, "~100x (two orders of magnitude)", "x",
+          RAW.format(num="centralized", den="knittrans-ray") + "; median over K passes, [min, max]; pre-registered "
+          "bound 50 (two orders of magnitude with a 2x margin). Gate bound 1 at CI size (16 x n=16, 224px, M=2, "
+          "the median of 3 raw passes per pass): on one machine every hop is a memcpy and KnitTrans pays a few "
+          "round trips per mini-batch, so the ratio is 1.4-2.2 (medians on a loaded 2-core machine); the same plane "
+          "with dedup off moves the baseline's pixel bytes and gives 0.6",
+          ratio("centralized", "knittrans-ray", "raw_s"), bound=Bound(">=", 50.0), gate=Bound(">=", 1.0),
+          comparison=SAME_LAYOUT),
+    Claim("mm_exposed_latency_ratio", MM, ClaimKind.TARGET, "~100x (two orders of magnitude)", "x",
+          EXPOSED.format(num="centralized (build-ahead)", den="knittrans-ray (prefetch)") + "; pre-registered bound "
+          "50. Gate: the same bound at CI size (batch b+1 complete two steps before b ends); the same handoff "
+          "without prefetch gives ~10-30 there (it still moves 1/n of the bytes)",
+          ratio("centralized", "knittrans-ray", "exposed_s"), bound=Bound(">=", 50.0), gate=Bound(">=", 50.0),
+          comparison=SAME_LAYOUT),
+    Claim("mm_bytes_ratio", MM, ClaimKind.TARGET, "n (each distinct image moved once instead of once per sample)",
+          "x n", "pixel_values bytes delivered to the ranks per batch, centralized / knittrans-ray, divided by the "
+          "group size n; exactly 1 when the plane moves each distinct image once per share (deterministic; the "
+          "pass farthest from 1 decides)", pixel_ratio_over_n, bound=Bound("==", 1.0), gate=Bound("==", 1.0),
+          comparison=SAME_LAYOUT),
+    Claim("mm_store_live_bytes_after", MM, ClaimKind.TARGET, "(ours) 0: nothing leaked", "B",
+          "bytes the KnitTrans units (fields and encoding stores) still held after a pass was consumed and every "
+          "drop confirmed (wait_drained), the most over every KnitTrans pass; refcounts back to zero = 0",
+          live_bytes_after, bound=Bound("==", 0.0), gate=Bound("==", 0.0)),
+    Claim("mm_total_bytes_ratio", MM, ClaimKind.MEASUREMENT, "(context)", "x",
+          "all bytes per batch, centralized (gather + scatter incl. every image occurrence) / knittrans-ray (fields + "
+          "distinct images)", bytes_ratio("centralized", "knittrans-ray"), comparison=SAME_LAYOUT),
+    Claim("mm_transfer_latency_ratio_inproc", MM, ClaimKind.MEASUREMENT, "(context)", "x",
+          RAW.format(num="centralized (Ray)", den="knittrans-inproc"),
+          ratio("centralized", "knittrans-inproc", "raw_s"),
+          comparison="different layouts (Ray actors vs threads of one process)"),
+    Claim("mm_exposed_latency_ratio_inproc", MM, ClaimKind.MEASUREMENT, "(context)", "x",
+          EXPOSED.format(num="centralized (Ray)", den="knittrans-inproc"),
+          ratio("centralized", "knittrans-inproc", "exposed_s"),
+          comparison="different layouts (Ray actors vs threads of one process)"),
+)

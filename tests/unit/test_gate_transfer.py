@@ -1,0 +1,154 @@
+"""The transfer tables' gates: every target claim's gate fails when its regression is injected into product code
+(``gate_injections``), holds without it, and the spec's verdicts flip with hand-made rows.
+
+The injected runs use one pass (a regression moves the gated quantity far past its bound); the un-injected gate is
+what ``python -m repro.gates`` runs in CI, so its test here is marked slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from repro.gates import evaluate_gate
+from repro.spec.core import Status
+from repro.spec.transfer import CLAIMS, MMTransferTrial, TextTransferTrial
+
+import gate_injections as inject
+
+
+def verdicts(table: str, rows) -> dict:  # noqa: ANN001
+    return {v.claim.name: v for v in evaluate_gate(table, rows)}
+
+
+@pytest.fixture(scope="module")
+def ray_up():
+    """One local Ray instance for the module: the gates' sessions reuse it (regressions travel with the objects
+    the driver builds, so no worker hook is needed)."""
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", include_dashboard=False, num_cpus=8, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+# -- the gates, with and without the regressions -------------------------------------------------------------------
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("table", ["transfer-text", "transfer-multimodal"])
+def test_gate_holds_without_an_injected_regression(ray_up, table):
+    from repro.transfer import gate_trials
+
+    v = verdicts(table, gate_trials(table))
+    assert v and all(x.status is Status.HOLDS for x in v.values()), {k: x.measured for k, x in v.items()}
+
+
+@pytest.mark.ray
+def test_text_exposed_gate_fails_when_the_consumer_stops_prefetching(ray_up, monkeypatch):
+    from repro.transfer import gate_trials
+
+    inject.consumers_stop_prefetching(monkeypatch)
+    v = verdicts("transfer-text", gate_trials("transfer-text", passes=1))
+    assert v["exposed_latency_ratio"].status is Status.FAILS, v["exposed_latency_ratio"].measured
+
+
+@pytest.mark.ray
+def test_mm_bytes_and_raw_gates_fail_when_dedup_is_off_in_the_plane(ray_up, monkeypatch):
+    from repro.transfer import gate_trials
+
+    inject.dedup_off_in_the_plane(monkeypatch)
+    v = verdicts("transfer-multimodal", gate_trials("transfer-multimodal", passes=1))
+    assert v["mm_bytes_ratio"].status is Status.FAILS and v["mm_bytes_ratio"].measured.value == pytest.approx(1 / 16)
+    assert v["mm_transfer_latency_ratio"].status is Status.FAILS, v["mm_transfer_latency_ratio"].measured
+    assert v["mm_store_live_bytes_after"].status is Status.HOLDS  # every occurrence stored, every one released
+
+
+@pytest.mark.ray
+def test_mm_exposed_gate_fails_when_the_consumer_stops_prefetching(ray_up, monkeypatch):
+    from repro.transfer import gate_trials
+
+    inject.consumers_stop_prefetching(monkeypatch)
+    v = verdicts("transfer-multimodal", gate_trials("transfer-multimodal", passes=1))
+    assert v["mm_exposed_latency_ratio"].status is Status.FAILS, v["mm_exposed_latency_ratio"].measured
+    assert v["mm_bytes_ratio"].status is Status.HOLDS
+
+
+@pytest.mark.ray
+def test_mm_live_bytes_gate_fails_when_units_leak_encodings(ray_up, monkeypatch):
+    from repro.transfer import gate_trials
+
+    inject.units_leak_encodings(monkeypatch)
+    v = verdicts("transfer-multimodal", gate_trials("transfer-multimodal", passes=1))
+    assert v["mm_store_live_bytes_after"].status is Status.FAILS and v["mm_store_live_bytes_after"].measured.value > 0
+
+
+def test_every_target_claim_of_the_transfer_tables_has_a_gate_and_an_injection_test():
+    targets = {c.name for c in CLAIMS if c.kind.value == "target"}
+    assert targets == {"exposed_latency_ratio", "mm_transfer_latency_ratio", "mm_exposed_latency_ratio",
+                       "mm_bytes_ratio", "mm_store_live_bytes_after"}
+    assert all(c.gate is not None for c in CLAIMS if c.name in targets)
+
+
+# -- the spec's verdicts over hand-made rows ----------------------------------------------------------------------
+
+
+def text_row(p: int, system: str, exposed: float | None, raw: float | None = 0.5, get: float = 0.01,
+             nbytes: int = 1000) -> TextTransferTrial:
+    return TextTransferTrial(seed=0, pass_index=p, system=system, exposed_s=exposed, exposed_mb0_s=exposed,
+                             raw_s=raw, get_s=get, bytes_moved=nbytes, gbps=None, memcpy_gbps=5.0, measured_batches=2,
+                             live_bytes_after=0 if system.startswith("knittrans") else None)
+
+
+def mm_row(p: int, system: str, pixel: int, live: int | None = 0, raw: float = 0.1) -> MMTransferTrial:
+    return MMTransferTrial(seed=0, pass_index=p, system=system, exposed_s=0.01, exposed_mb0_s=0.01, raw_s=raw,
+                           get_s=0.01, bytes_moved=pixel + 100, gbps=None, memcpy_gbps=5.0, measured_batches=2,
+                           live_bytes_after=live if system.startswith("knittrans") else None, group_size=8,
+                           pixel_bytes=pixel, distinct_pixel_bytes=1000)
+
+
+def claim(name: str):  # noqa: ANN201
+    return next(c for c in CLAIMS if c.name == name)
+
+
+def test_exposed_ratio_is_the_median_of_within_pass_ratios_and_flips_with_the_rows():
+    c = claim("exposed_latency_ratio")
+    rows = [text_row(0, "centralized", 0.2), text_row(0, "knittrans-ray", 0.01),  # 20
+            text_row(1, "centralized", 0.2), text_row(1, "knittrans-ray", 0.04),  # 5
+            text_row(2, "centralized", 0.3), text_row(2, "knittrans-ray", 0.015)]  # 20
+    v = c.evaluate(rows)
+    assert v.status is Status.HOLDS and v.measured.value == pytest.approx(20) and v.measured.low == pytest.approx(5)
+    assert "tiny denominator" in v.measured.note  # KnitTrans's median, 15 ms per batch, is said to be tiny
+    slow = [text_row(2, "knittrans-ray", 0.1) if (r.pass_index, r.system) == (2, "knittrans-ray") else r for r in rows]
+    assert c.evaluate(slow).status is Status.FAILS  # ratios 20, 5, 3: median 5; the best pass never decides
+    zero = [text_row(0, "centralized", 0.2), text_row(0, "knittrans-ray", 0.0)]
+    assert c.evaluate(zero).measured.value == pytest.approx(0.2 / 1e-4)  # denominators floored at 0.1 ms
+
+
+def test_tq_ratio_is_not_measured_without_transferqueue_rows_and_is_never_a_verdict():
+    c = claim("tq_get_latency_ratio")
+    v = c.evaluate([text_row(0, "centralized", 0.2), text_row(0, "knittrans-ray", 0.01)])
+    assert not v.measured.measured and "not installed" in v.measured.note and v.status is Status.INFO
+    v = c.evaluate([text_row(0, "transferqueue", None, get=0.04), text_row(0, "knittrans-ray", 0.01, get=0.01)])
+    assert v.measured.value == pytest.approx(4.0) and v.status is Status.INFO
+
+
+def test_mm_bytes_claim_is_exact_and_the_worst_pass_decides():
+    c = claim("mm_bytes_ratio")
+    good = [mm_row(p, s, 8000 if s == "centralized" else 1000) for p in range(3) for s in ("centralized",
+                                                                                           "knittrans-ray")]
+    assert c.evaluate(good).status is Status.HOLDS and c.evaluate(good).measured.value == 1.0
+    bad = good[:-1] + [mm_row(2, "knittrans-ray", 1001)]  # one pass moved one byte more
+    assert c.evaluate(bad).status is Status.FAILS
+
+
+def test_live_bytes_claim_fails_on_any_leak_and_ignores_the_baseline():
+    c = claim("mm_store_live_bytes_after")
+    rows = [mm_row(0, "centralized", 8000), mm_row(0, "knittrans-ray", 1000, live=0)]
+    assert c.evaluate(rows).status is Status.HOLDS
+    assert c.evaluate(rows + [mm_row(1, "knittrans-ray", 1000, live=4)]).status is Status.FAILS
+
+
+def test_inprocess_ratios_are_measurements_only():
+    c = claim("exposed_latency_ratio_inproc")
+    v = c.evaluate([text_row(0, "centralized", 1.0), text_row(0, "knittrans-inproc", 0.001)])
+    assert v.status is Status.INFO and v.as_dict()["holds"] is None and "different layouts" in c.comparison
