@@ -15,20 +15,62 @@ From a real run (``knittrans.runtime.RunResult``) this fits the simulator's time
 The same admission policy, in-flight budget, batch constraints and sync policy then run in the simulator, and
 ``compare`` reports both mean staleness values. Contention between the rollout and trainer threads on a shared
 machine is part of the measured times, so it is part of the calibrated model.
+
+``compare`` calibrates on the very run it predicts (an in-sample fit). Held-out prediction: ``TimeModel.of`` each
+calibration run, ``TimeModel.pooled`` (median of every parameter), then ``predict`` any ``RuntimeConfig`` with a
+workload taken from a calibration run (``Calibration.batches``), never from the run being predicted.
+``timing_spread`` says how much a prediction moves when rollout runs 4x faster or slower: ~0 means flow control
+alone sets the staleness (any predictor that knows the budget gets it right). ``littles_law`` is the timing-free
+predictor beside it (``knittrans.staleness.littles_law_staleness``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Callable, Sequence
 
 import numpy as np
 
 from knittrans.constraints import BatchConstraints
 from knittrans.admission.base import AdmissionPolicy
 from knittrans.sim.config import EngineConfig, FlowConfig, FlowKind, SimConfig, SyncConfig, TrainerConfig
-from knittrans.sim.simulator import simulate
-from knittrans.types import AdmissionKind, BatchPlan, ExecutionMode, GroupSpec, InflightPolicy, WorkloadBatch
+from knittrans.sim.simulator import SimResult, simulate
+from knittrans.staleness import littles_law_staleness
+from knittrans.types import (AdmissionKind, BatchPlan, ExecutionMode, GroupSpec, InflightPolicy, SyncPolicy,
+                             WorkloadBatch)
+
+PolicyFactory = Callable[[AdmissionKind, BatchConstraints], AdmissionPolicy]
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """A machine's measured time model: what the simulator needs to replay any setting on it."""
+
+    tpot: float
+    """Seconds per decode step of a wave, rollout alone, at light load."""
+    load_alpha: float
+    """Decode-step growth with the wave's share of slots: ``tpot * (1 + load_alpha * active / slots)``."""
+    engine_interference: float
+    """Decode slowdown while the trainer computes (shared hardware)."""
+    step_overhead: float
+    """Seconds per optimizer step, trainer alone, regardless of size."""
+    per_token: float
+    """Seconds per response token of a step, trainer alone."""
+    trainer_interference: float
+    """Step slowdown while rollout generates (shared hardware)."""
+    sync_cost: float
+    """Seconds per weight sync (publication plus load)."""
+
+    @classmethod
+    def pooled(cls, models: Sequence["TimeModel"]) -> "TimeModel":
+        """The median of every parameter over ``models`` (calibration runs of several settings and seeds)."""
+        if not models:
+            raise ValueError("TimeModel.pooled: no calibration runs")
+        return cls(**{f.name: float(np.median([getattr(m, f.name) for m in models])) for f in fields(cls)})
+
+    def rollout_scaled(self, factor: float) -> "TimeModel":
+        """Rollout ``factor`` times slower (decode step time scaled; trainer and sync unchanged)."""
+        return replace(self, tpot=self.tpot * factor)
 
 
 
@@ -40,6 +82,7 @@ class Calibration:
     policy: AdmissionKind
     wave_fit_r2: float
     step_fit_r2: float
+    time_model: TimeModel
 
 
 @dataclass(frozen=True)
@@ -118,17 +161,9 @@ def calibrate(run) -> Calibration:
     tr_int = _excess(step_s[s_shared], overhead + per_token * tokens[s_shared])
     timings = run.timings()
     sync_cost = timings.sync_s_mean if np.isfinite(timings.sync_s_mean) else 0.0
-    colocated = cfg.mode is ExecutionMode.COLOCATED
-    sim = SimConfig(
-        mode=ExecutionMode.COLOCATED if colocated else ExecutionMode.DISAGGREGATED,
-        engine=EngineConfig(num_engines=1, slots=slots, tpot=tpot, load_alpha=alpha, wave_groups=W,
-                            interference=0.0 if colocated else eng_int),
-        trainer=TrainerConfig(step_overhead=overhead, per_token=per_token,
-                              interference=0.0 if colocated else tr_int),
-        sync=SyncConfig(policy=cfg.sync,
-                        k=cfg.sync_every, cost=sync_cost, inflight=InflightPolicy.CONTINUE),
-        flow=FlowConfig(kind=FlowKind.GROUPS, budget_groups=cfg.budget),
-        colocated_switch_cost=sync_cost)
+    tm = TimeModel(tpot=tpot, load_alpha=alpha, engine_interference=eng_int, step_overhead=overhead,
+                   per_token=per_token, trainer_interference=tr_int, sync_cost=sync_cost)
+    sim = sim_config(cfg, tm)
     by_batch: dict[int, dict[int, list]] = {}
     for t in trajs:
         by_batch.setdefault(t.batch_id, {}).setdefault(t.group_id, []).append(t)
@@ -137,12 +172,57 @@ def calibrate(run) -> Calibration:
         groups = tuple(GroupSpec(g, b, len(ts)) for g, ts in sorted(by_batch[b].items()))
         lengths = {g: np.array([t.num_tokens for t in ts], dtype=np.int64) for g, ts in by_batch[b].items()}
         batches.append(WorkloadBatch(BatchPlan(b, groups), lengths))
-    c = BatchConstraints(batch_size=cfg.prompts_per_batch * n, num_minibatches=cfg.num_minibatches,
-                         group_size=n, max_response_len=cfg.max_new_tokens)
-    return Calibration(sim, batches, c, cfg.admission, r2_wave, r2_step)
+    return Calibration(sim, batches, constraints_of(cfg), cfg.admission, r2_wave, r2_step, tm)
 
 
-def compare(run, make_policy: Callable[[AdmissionKind, BatchConstraints], AdmissionPolicy]) -> Comparison:
+def constraints_of(cfg) -> BatchConstraints:  # noqa: ANN001 - a knittrans.runtime.RuntimeConfig
+    """The batch constraints a real run of ``cfg`` keeps (whole groups, exact size, M mini-batches)."""
+    return BatchConstraints(batch_size=cfg.prompts_per_batch * cfg.group_size, num_minibatches=cfg.num_minibatches,
+                            group_size=cfg.group_size, max_response_len=cfg.max_new_tokens)
+
+
+def sim_config(cfg, tm: TimeModel) -> SimConfig:  # noqa: ANN001 - a knittrans.runtime.RuntimeConfig
+    """The simulator's settings for a real run's config on a machine with time model ``tm``: one engine running
+    static waves of ``wave_groups`` groups, the run's budget, sync policy and mode."""
+    colocated = cfg.mode is ExecutionMode.COLOCATED
+    return SimConfig(
+        mode=ExecutionMode.COLOCATED if colocated else ExecutionMode.DISAGGREGATED,
+        engine=EngineConfig(num_engines=1, slots=cfg.wave_groups * cfg.group_size, tpot=tm.tpot,
+                            load_alpha=tm.load_alpha, wave_groups=cfg.wave_groups,
+                            interference=0.0 if colocated else tm.engine_interference),
+        trainer=TrainerConfig(step_overhead=tm.step_overhead, per_token=tm.per_token,
+                              interference=0.0 if colocated else tm.trainer_interference),
+        sync=SyncConfig(policy=cfg.sync, k=cfg.sync_every, cost=tm.sync_cost, inflight=InflightPolicy.CONTINUE),
+        flow=FlowConfig(kind=FlowKind.GROUPS, budget_groups=cfg.budget),
+        colocated_switch_cost=tm.sync_cost)
+
+
+def predict(cfg, tm: TimeModel, batches: Sequence[WorkloadBatch], make_policy: PolicyFactory  # noqa: ANN001
+            ) -> SimResult:
+    """The simulator's replay of real config ``cfg`` on time model ``tm`` with workload ``batches`` (from a
+    calibration run: the same batch shape, never the predicted run's own lengths)."""
+    return simulate(sim_config(cfg, tm), make_policy(cfg.admission, constraints_of(cfg)), batches)
+
+
+def timing_spread(cfg, tm: TimeModel, batches: Sequence[WorkloadBatch], make_policy: PolicyFactory,  # noqa: ANN001
+                  factor: float = 4.0) -> float:
+    """Max - min predicted mean staleness with rollout ``factor`` times faster, as measured, and ``factor`` times
+    slower. About 0: timing does not matter at this setting, flow control alone sets its staleness."""
+    means = [float(predict(cfg, tm.rollout_scaled(f), batches, make_policy).records.staleness.mean())
+             for f in (1.0 / factor, 1.0, factor)]
+    return max(means) - min(means)
+
+
+def littles_law(cfg) -> float:  # noqa: ANN001 - a knittrans.runtime.RuntimeConfig
+    """The timing-free prediction of a run's mean staleness from its flow control and sync policy alone."""
+    lag = {SyncPolicy.EVERY_STEP: 0.0, SyncPolicy.EVERY_K: (cfg.sync_every - 1) / 2,
+           SyncPolicy.EVERY_BATCH: (cfg.num_minibatches - 1) / 2}[cfg.sync]
+    if cfg.mode is ExecutionMode.COLOCATED:
+        return (cfg.num_minibatches - 1) / 2
+    return littles_law_staleness(cfg.budget, cfg.groups_per_minibatch, cfg.num_batches * cfg.prompts_per_batch, lag)
+
+
+def compare(run, make_policy: PolicyFactory) -> Comparison:
     """Mean staleness measured in ``run`` against the calibrated simulator's for the same settings; ``make_policy``
     builds the run's admission policy (``baselines.admission.make_policy``)."""
     cal = calibrate(run)

@@ -35,3 +35,17 @@ def test_simulated_staleness_tracks_the_measured_one(setup, mode, budget):
     # calibrated replay must agree closely; the full comparison is the sim-vs-real table (python -m repro.simcheck).
     c = compare(run_mode(_cfg(mode, budget), setup, make_policy=make_policy), make_policy)
     assert c.rel_error <= 0.20, (c.measured_mean, c.simulated_mean)
+
+
+def test_heldout_prediction_takes_the_time_model_and_lengths_from_calibration_runs_only(setup):
+    from knittrans.sim.calibrate import TimeModel, littles_law, predict, timing_spread
+
+    cal = calibrate(run_mode(_cfg("knittrans", 8), setup, make_policy=make_policy))
+    assert TimeModel.pooled([cal.time_model, cal.time_model]) == cal.time_model
+    target = _cfg("train_batch", 16, sync="every_batch")  # never run: predicted from its settings alone
+    res = predict(target, cal.time_model, cal.batches, make_policy)
+    assert len(res.steps) == target.total_steps and (res.records.v_train >= 0).all()
+    assert res.records.staleness.max() <= target.staleness_bound()
+    assert timing_spread(target, cal.time_model, cal.batches, make_policy) >= 0
+    # Little's law: (W - 1)(1 - B/2N) + mean sync lag (1 - B/N), W = budget / groups per step
+    assert littles_law(target) == pytest.approx(3 * (1 - 16 / 64 / 2) + 1.5 * (1 - 16 / 64))
