@@ -162,7 +162,7 @@ def run(cfg: SimCheckConf) -> dict:
                 "every other run is predicted with it and a calibration run's response lengths. Little's law "
                 "predicts from the budget and sync policy alone. A setting is flow-determined (excluded from the "
                 f"verdict) when the simulator's prediction moves less than {FLOW_DETERMINED_SPREAD} steps with "
-                "rollout 4x faster or slower: there flow control alone sets the staleness.\n")
+                "rollout 2x faster or slower: there flow control alone sets the staleness.\n")
     return publish(res, cfg.logger, "sim-vs-real", config=cfg)
 
 

@@ -19,7 +19,7 @@ machine is part of the measured times, so it is part of the calibrated model.
 ``compare`` calibrates on the very run it predicts (an in-sample fit). Held-out prediction: ``TimeModel.of`` each
 calibration run, ``TimeModel.pooled`` (median of every parameter), then ``predict`` any ``RuntimeConfig`` with a
 workload taken from a calibration run (``Calibration.batches``), never from the run being predicted.
-``timing_spread`` says how much a prediction moves when rollout runs 4x faster or slower: ~0 means flow control
+``timing_spread`` says how much a prediction moves when rollout runs 2x faster or slower: ~0 means flow control
 alone sets the staleness (any predictor that knows the budget gets it right). ``littles_law`` is the timing-free
 predictor beside it (``knittrans.staleness.littles_law_staleness``).
 """
@@ -205,7 +205,7 @@ def predict(cfg, tm: TimeModel, batches: Sequence[WorkloadBatch], make_policy: P
 
 
 def timing_spread(cfg, tm: TimeModel, batches: Sequence[WorkloadBatch], make_policy: PolicyFactory,  # noqa: ANN001
-                  factor: float = 4.0) -> float:
+                  factor: float = 2.0) -> float:
     """Max - min predicted mean staleness with rollout ``factor`` times faster, as measured, and ``factor`` times
     slower. About 0: timing does not matter at this setting, flow control alone sets its staleness."""
     means = [float(predict(cfg, tm.rollout_scaled(f), batches, make_policy).records.staleness.mean())
