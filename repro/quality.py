@@ -176,28 +176,37 @@ def row(arm: str, order: int, rc: RuntimeConfig, run: RunResult, acc: list[float
 
 
 def plot(curves: list[Curve], results) -> None:  # noqa: ANN001 - a repro.results.Results
-    """Accuracy against steps and wall-clock (mean over seeds, min-max band), and measured staleness."""
+    """Accuracy against steps and wall-clock (mean over seeds), each arm's paired gain over train-batch at every
+    evaluation point (mean, min-max band over seeds: the warm start moves every arm of a seed together), and the
+    measured staleness."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a_step, a_wall, a_st) = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, (a_step, a_gain, a_wall, a_st) = plt.subplots(1, 4, figsize=(21, 4.5))
+    tb = {c.seed: np.array(c.acc) for c in curves if c.arm == "train_batch"}
     for arm in ARMS:
         cs = [c for c in curves if c.arm == arm]
         if not cs:
             continue
         acc = np.array([c.acc for c in cs])
         a_step.plot(cs[0].steps, acc.mean(0), label=arm)
-        a_step.fill_between(cs[0].steps, acc.min(0), acc.max(0), alpha=0.15)
+        gain = np.array([np.array(c.acc) - tb[c.seed] for c in cs if c.seed in tb])
+        if arm != "train_batch" and len(gain):
+            a_gain.plot(cs[0].steps, gain.mean(0), label=arm)
+            a_gain.fill_between(cs[0].steps, gain.min(0), gain.max(0), alpha=0.15)
         a_wall.plot(np.array([c.wall for c in cs]).mean(0), acc.mean(0), label=arm)
         st = np.concatenate([c.staleness for c in cs])
         a_st.hist(st, bins=np.arange(st.max() + 2) - 0.5, alpha=0.4, label=f"{arm} (mean {st.mean():.2f})")
-    a_step.set(xlabel="optimizer step", ylabel="held-out greedy accuracy", title="accuracy vs steps (min-max band)")
+    a_step.set(xlabel="optimizer step", ylabel="held-out greedy accuracy", title="accuracy vs steps (mean over seeds)")
+    a_gain.axhline(0, color="k", lw=0.8)
+    a_gain.set(xlabel="optimizer step", ylabel="accuracy - train-batch's (same seed)",
+               title="paired gain over train-batch (min-max band)")
     a_wall.set(xlabel="wall-clock (s, mean over seeds)", ylabel="held-out greedy accuracy",
                title="accuracy vs wall-clock")
     a_st.set(xlabel="staleness v_train - v_gen (steps)", ylabel="trajectories", title="measured staleness")
-    for a in (a_step, a_wall, a_st):
+    for a in (a_step, a_gain, a_wall, a_st):
         a.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(results.plot_path("quality_curves.png"), dpi=110)
@@ -236,6 +245,8 @@ def run_table(cfg: QualityConfig):  # noqa: ANN201 - a repro.results.Results
     results.set_trials([*probes, *rows])
     results.rows = [r.as_dict() for r in rows]
     plot(curves, results)
+    results.extra["curves"] = [{"arm": c.arm, "seed": c.seed, "steps": c.steps, "acc": c.acc, "wall_s": c.wall}
+                               for c in curves]
     results.extra["total_s"] = time.perf_counter() - t_start
     results.extra["matched_budget"] = {"budget_groups": matched, "probe_median_ratio": ratio,
                                        "probes": [p.as_dict() for p in probes]}

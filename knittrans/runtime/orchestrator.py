@@ -49,7 +49,7 @@ from knittrans.admission.minibatch import KnitTransAdmission
 from knittrans.constraints import BatchConstraints
 from knittrans.dataplane.faults import StepLedger
 from knittrans.dataplane.types import PackedShare
-from knittrans.handoff import Handoff, HandoffConfig, Transport
+from knittrans.handoff import Consumer, Handoff, HandoffConfig, Producer, Transport
 from knittrans.runtime.config import OnRolloutError, RuntimeConfig
 from knittrans.runtime.engine import GroupRequest, RolloutEngine, Sample, SamplingConfig
 from knittrans.runtime.faults import (FaultLog, FaultyEngine, GenerationTimeoutError, RuntimeFaultPlan,
@@ -105,7 +105,10 @@ class Orchestrator:
                                             num_minibatches=cfg.num_minibatches,
                                             max_response_len=cfg.max_new_tokens, group_size=cfg.group_size)
         self.policy = make_policy(cfg.admission, self.constraints)
-        self.handoff: Handoff | None = None
+        self.handoff: Handoff | None = None  # built by run(), with the rollout side's producer and rank 0's consumer
+        self._producer: Producer | None = None
+        self._consumer: Consumer | None = None
+        self._shares: Iterator[PackedShare] = iter(())
         self._cv = threading.Condition()
         self._pending: deque[GroupRequest] = deque()
         self._plans: list[BatchPlan] = []
@@ -163,7 +166,7 @@ class Orchestrator:
             self.handoff.seal()
             self._producer = self.handoff.producer()
             self._consumer = self.handoff.consumer(0)
-            self._shares: Iterator[PackedShare] = iter(self._consumer)
+            self._shares = iter(self._consumer)
             self._publish()
             # The engine starts from the learner's weights whatever it was built with (a reused engine, a vLLM
             # engine loaded from a checkpoint directory): version 0 is loaded unconditionally.
@@ -213,7 +216,7 @@ class Orchestrator:
 
     def _close_handoff(self) -> None:
         """Stop the consumer and close the data plane, once (a failing rollout thread may have closed it)."""
-        if getattr(self, "_consumer", None) is not None:
+        if self._consumer is not None:
             self._consumer.close()
         self._close_plane()
 
@@ -316,6 +319,7 @@ class Orchestrator:
                 rollouts.append(to_rollout(it, r, now))
         with self._cv:
             self._records.update(records)
+        assert self._producer is not None
         self._producer.put(rollouts)
 
     def _rollout_loop(self) -> None:
@@ -392,6 +396,7 @@ class Orchestrator:
                 raise StalenessBoundError(f"trajectory {r.traj_id} has staleness {r.staleness} > bound "
                                           f"{self.cfg.staleness_bound()} ({self.cfg.system}, budget {self.cfg.budget})")
         res, share = self._step_exactly_once(share, step)
+        assert self._consumer is not None
         self._consumer.ack(share)  # after the optimizer step: a crash before it gets the share again
         steps.append(StepRecord(step=step, version=res.version, batch_id=share.key.batch_id,
                                 minibatch_index=share.key.index, t_start=t_start, t_end=self._now(),
@@ -436,7 +441,7 @@ class Orchestrator:
         """Restart trainer rank 0 after a crash: its consumer goes with everything it prefetched, the controller
         returns every share the rank claimed and did not ack (``recover_rank``), and a new consumer resumes at
         the first mini-batch the rank has not acked -- the crashed one, which must come back unchanged."""
-        assert self.handoff is not None
+        assert self.handoff is not None and self._consumer is not None
         self._consumer.close()
         self.handoff.wait_version(share.seq, timeout=60)  # earlier (one-way, on Ray) acks have all arrived
         resume = self.handoff.plane.controller.recover_rank(0)

@@ -44,6 +44,8 @@ def test_gap_narrowed_holds_when_knittrans_beats_train_batch_and_fails_when_it_d
 def test_no_gap_between_colocated_and_train_batch_means_nothing_to_narrow():
     v = verdict("quality", quality_rows(colo=0.40), "quality_gap_narrowed")
     assert v.status is Status.NOT_MEASURED and "no gap" in v.measured.note
+    fresher = verdict("quality", quality_rows(colo=0.40), "quality_matched_vs_train_batch")  # still reported
+    assert fresher.status is Status.INFO and fresher.measured.value == pytest.approx(0.08, abs=0.02)
     assert verdict("quality", quality_rows(colo=0.40), "quality_gap_closed").measured.value is None
 
 
