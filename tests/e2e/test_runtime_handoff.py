@@ -91,3 +91,54 @@ def test_trainer_crash_is_recovered_through_the_handoff(setup, transport):
     run = run_mode(cfg, setup, faults=RuntimeFaultPlan(crash_steps=(2,)), make_policy=make_policy)
     _consumed_exactly_once_with_the_recorded_staleness(run, cfg, setup)
     assert run.faults_recovered == {"trainer_restart": 1} and run.controller.claims > cfg.total_steps
+
+
+class ImageTask:
+    """The parity task with one image per prompt (the same tensor for every sample of a group): what a
+    multimodal ``RLTask`` hands the orchestrator. The text engine ignores the images; the handoff must still store
+    each once and hand the learner an ``MMShare``."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def batch(self, seed, batch_id, n):
+        g = torch.Generator().manual_seed(seed * 1000 + batch_id)
+        return [dataclasses.make_dataclass("ImagePrompt", ["prompt_ids", "images", "grids"])(
+            p.prompt_ids, (torch.randn(4, 24, generator=g),), ((1, 2, 2),)) for p in self.inner.batch(seed, batch_id, n)]
+
+    def reward(self, prompt, response_ids):
+        return self.inner.reward(prompt, response_ids)
+
+
+class RecordingLearner:
+    """A ``Learner`` around the text trainer that records what each share carried."""
+
+    def __init__(self, inner):
+        self.inner, self.seen = inner, []
+
+    @property
+    def version(self):
+        return self.inner.version
+
+    def step(self, share):
+        self.seen.append((type(share).__name__, len(share.images.pixels), len(share.traj_ids)))
+        return self.inner.step(share)
+
+    def weights(self):
+        return self.inner.weights()
+
+
+def test_multimodal_prompts_reach_the_learner_through_the_handoff_once_per_distinct_image(setup):
+    import copy
+
+    from knittrans.runtime import GRPOTrainer, HFRolloutEngine, Learner, Orchestrator
+
+    cfg = RuntimeConfig.for_system("knittrans", inflight_groups=4, multimodal=True, **SMALL)
+    model = copy.deepcopy(setup.model)
+    learner = RecordingLearner(GRPOTrainer(model, setup.grpo, setup.tokenizer.pad_token_id))
+    assert isinstance(learner, Learner)
+    engine = HFRolloutEngine(model, setup.tokenizer.eos_token_id, setup.tokenizer.pad_token_id)
+    run = Orchestrator(cfg, learner, engine, ImageTask(setup.task), make_policy=make_policy).run()
+    _consumed_exactly_once_with_the_recorded_staleness(run, cfg, setup)
+    # each mini-batch holds 2 groups of 2 samples that show 1 image per group: 2 distinct images, 4 occurrences
+    assert learner.seen == [("MMShare", 2, 4)] * cfg.total_steps
