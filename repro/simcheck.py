@@ -6,15 +6,16 @@
 Every setting (admission policy x in-flight budget x weight-sync policy x wave size) runs for real
 (``knittrans.runtime``: HF engine in one thread, GRPO trainer in another, every trajectory through the handoff)
 for every seed. The runs of ``calibrate_seeds`` at ``calibrate_budgets`` calibrate the simulator
-(``knittrans.sim.calibrate``: wave time per decode step, trainer step time per token, interference, sync cost;
-the median of each parameter over those runs); every other run is predicted from that model and a calibration
-run's response lengths. Little's law predicts each run from its budget alone. Claims (``repro/spec/simcheck.py``):
+(``knittrans.sim.calibrate.fit_time_model``, one fit over all of them: decode step time and its growth per
+sequence in a wave, trainer step time per token, interference, sync cost); every other run is predicted from that
+model and a calibration run's response lengths. Little's law predicts each run from its budget alone. Claims (``repro/spec/simcheck.py``):
 the held-out error of both, per setting, with settings that flow control alone decides flagged and kept out of
 the verdict. Writes ``results/sim-vs-real/``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -86,21 +87,21 @@ def real_runs(cfg: SimCheckConf) -> list[tuple[str, object]]:
     return out
 
 
-def predict_all(runs: list[tuple[str, object]]) -> list[SimCheckRun]:
-    """Pool the calibration runs' time models; predict every run with it (and Little's law)."""
-    from knittrans.sim.calibrate import TimeModel, calibrate, littles_law, predict, timing_spread
+def predict_all(runs: list[tuple[str, object]]):  # noqa: ANN201 - (rows, the fitted TimeModel)
+    """Fit one time model to every calibration run jointly; predict every run with it (and Little's law)."""
+    from knittrans.sim.calibrate import fit_time_model, littles_law, predict, timing_spread, workload_of
 
-    cals = {id(run): calibrate(run) for role, run in runs if role == "calibration"}
-    if not cals:
+    cal_runs = [run for role, run in runs if role == "calibration"]
+    if not cal_runs:
         raise ValueError("simcheck: no calibration run (calibrate_seeds x calibrate_budgets matched no setting)")
-    model = TimeModel.pooled([c.time_model for c in cals.values()])
-    by_seed = {run.config.seed: cals[id(run)] for role, run in runs if role == "calibration"}
-    first = next(iter(cals.values()))
+    model, _, _ = fit_time_model(cal_runs)
+    by_seed = {run.config.seed: workload_of(run) for run in reversed(cal_runs)}  # each seed's first calibration run
+    first = workload_of(cal_runs[0])
     rows = []
     for role, run in tqdm(runs, desc="simulator replays", unit="run"):
         c = run.config
         # a calibration run's lengths: this seed's if one calibrated (same prompt stream), else the first's
-        batches = by_seed.get(c.seed, first).batches
+        batches = by_seed.get(c.seed, first)
         sim = predict(c, model, batches, make_policy).records.staleness
         meas = run.staleness()
         rows.append(SimCheckRun(
@@ -109,7 +110,7 @@ def predict_all(runs: list[tuple[str, object]]) -> list[SimCheckRun]:
             sim_mean=float(sim.mean()), sim_p99=float(np.percentile(sim, 99)),
             little_mean=littles_law(c), sim_spread=timing_spread(c, model, batches, make_policy),
             wall_s=run.wall_s, steps_per_s=run.throughput_steps_per_s()))
-    return rows
+    return rows, model
 
 
 def plot(rows: list[SimCheckRun], res) -> None:  # noqa: ANN001 - a repro.results.Results
@@ -145,7 +146,7 @@ def run(cfg: SimCheckConf) -> dict:
     torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
     res = Results(table="sim-vs-real", out_dir=cfg.out_dir)
-    rows = predict_all(real_runs(cfg))
+    rows, model = predict_all(real_runs(cfg))
     res.set_trials(rows)
     res.rows = [{**r.as_dict(), "sim_error": rel_error(r.sim_mean, r.measured_mean),
                  "little_error": rel_error(r.little_mean, r.measured_mean),
@@ -156,9 +157,11 @@ def run(cfg: SimCheckConf) -> dict:
                                          "little_error": lit_err[s]} for s, e in sim_err.items()]
     res.extra["total_s"] = time.perf_counter() - t0
     plot(rows, res)
+    res.extra["time_model"] = dataclasses.asdict(model)
     res.text = ("Held-out check: the simulator's time model (static waves like the real HF engine, decode step "
-                "time, trainer step time per token, rollout/trainer interference, sync cost) is the median of the "
-                f"fits to the calibration runs (seeds {cfg.calibrate_seeds}, budgets {cfg.calibrate_budgets}); "
+                "time and its growth per sequence, trainer step time per token, rollout/trainer interference, sync "
+                f"cost) is fitted jointly to the calibration runs (seeds {cfg.calibrate_seeds}, budgets "
+                f"{cfg.calibrate_budgets}); "
                 "every other run is predicted with it and a calibration run's response lengths. Little's law "
                 "predicts from the budget and sync policy alone. A setting is flow-determined (excluded from the "
                 f"verdict) when the simulator's prediction moves less than {FLOW_DETERMINED_SPREAD} steps with "
