@@ -186,19 +186,21 @@ def plot(curves: list[Curve], results) -> None:  # noqa: ANN001 - a repro.result
 
     fig, (a_step, a_gain, a_wall, a_st) = plt.subplots(1, 4, figsize=(21, 4.5))
     tb = {c.seed: np.array(c.acc) for c in curves if c.arm == "train_batch"}
-    for arm in ARMS:
+    for color, arm in enumerate(ARMS):
         cs = [c for c in curves if c.arm == arm]
         if not cs:
             continue
+        kw = {"color": f"C{color}", "label": arm}
         acc = np.array([c.acc for c in cs])
-        a_step.plot(cs[0].steps, acc.mean(0), label=arm)
+        a_step.plot(cs[0].steps, acc.mean(0), **kw)
         gain = np.array([np.array(c.acc) - tb[c.seed] for c in cs if c.seed in tb])
         if arm != "train_batch" and len(gain):
-            a_gain.plot(cs[0].steps, gain.mean(0), label=arm)
-            a_gain.fill_between(cs[0].steps, gain.min(0), gain.max(0), alpha=0.15)
-        a_wall.plot(np.array([c.wall for c in cs]).mean(0), acc.mean(0), label=arm)
+            a_gain.plot(cs[0].steps, gain.mean(0), **kw)
+            a_gain.fill_between(cs[0].steps, gain.min(0), gain.max(0), color=f"C{color}", alpha=0.15)
+        a_wall.plot(np.array([c.wall for c in cs]).mean(0), acc.mean(0), **kw)
         st = np.concatenate([c.staleness for c in cs])
-        a_st.hist(st, bins=np.arange(st.max() + 2) - 0.5, alpha=0.4, label=f"{arm} (mean {st.mean():.2f})")
+        a_st.hist(st, bins=np.arange(st.max() + 2) - 0.5, alpha=0.4, color=f"C{color}",
+                  label=f"{arm} (mean {st.mean():.2f})")
     a_step.set(xlabel="optimizer step", ylabel="held-out greedy accuracy", title="accuracy vs steps (mean over seeds)")
     a_gain.axhline(0, color="k", lw=0.8)
     a_gain.set(xlabel="optimizer step", ylabel="accuracy - train-batch's (same seed)",
