@@ -37,6 +37,8 @@ Example::
     (1.0, 0.9)
     >>> bounded_reduction(0.1, 0.2) is None   # under one step of architectural staleness: nothing to reduce
     True
+    >>> littles_law_staleness(budget_groups=4, groups_per_step=4, total_groups=64)  # one mini-batch in flight
+    0.0
 """
 
 from __future__ import annotations
@@ -57,6 +59,29 @@ trainer-bound they run at the same rate and differ only by which trajectories fi
 def colocated_mean_staleness(num_minibatches: int) -> float:
     """Mean staleness of the colocated reference: the j-th of M mini-batches is j steps stale."""
     return (num_minibatches - 1) / 2.0
+
+
+def littles_law_staleness(budget_groups: int, groups_per_step: float, total_groups: int,
+                          sync_lag_mean: float = 0.0) -> float:
+    """Mean staleness predicted from flow control alone, without any timing (Little's law, ``L = lambda W``).
+
+    With the in-flight budget always full (rollout keeps up), ``L = budget`` groups are in flight and the trainer
+    consumes ``lambda = groups_per_step`` per step, so a group spends ``W = budget / groups_per_step`` steps from
+    dispatch to the step that consumes it: staleness ``W - 1`` (a group dispatched right after step v is trained
+    at version ``v + W - 1``). The first ``budget`` groups all start at version 0 and are trained at steps
+    ``0 .. W-1`` (mean ``(W - 1) / 2``); every later group is ``W - 1`` stale, plus the mean lag of the engine's
+    weights behind the trainer's (``sync_lag_mean``: ``(k - 1) / 2`` for a sync every k steps). Rollout slower than
+    training keeps fewer groups in flight, and the real staleness is lower.
+
+        >>> littles_law_staleness(budget_groups=16, groups_per_step=8, total_groups=6400)  # two mini-batches
+        0.99875
+    """
+    if budget_groups < 1 or groups_per_step <= 0 or total_groups < 1:
+        raise ValueError(f"littles_law_staleness: budget_groups={budget_groups}, groups_per_step={groups_per_step} "
+                         f"and total_groups={total_groups} must be positive")
+    w = budget_groups / groups_per_step
+    first = min(1.0, budget_groups / total_groups)
+    return (w - 1.0) * (1.0 - first / 2.0) + sync_lag_mean * (1.0 - first)
 
 
 @dataclass(frozen=True)

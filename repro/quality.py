@@ -1,26 +1,19 @@
-"""Learning quality on a real system: colocated vs disaggregated with train-batch admission vs with KnitTrans.
+"""Learning quality on the real system, every trajectory through the handoff: colocated vs disaggregated with
+train-batch admission vs disaggregated with KnitTrans admission at train-batch's budget and at a
+throughput-matched budget.
 
-Paper claim: KnitTrans narrows the learning-quality gap between disaggregated and colocated execution. Here a
-~130K-parameter Llama-style policy learns "ab+c=" arithmetic with GRPO on CPU, for each seed from the same
-warm-started weights in all three modes (a paired comparison), and we measure:
+A ~130K-parameter Llama-style policy learns "ab+c=" arithmetic with GRPO on CPU (HF engine in one thread, GRPO
+trainer in another, ``knittrans.runtime``). Per seed, every arm starts from the same warm-started weights and
+prompt stream (a paired comparison) and runs the same number of optimizer steps; the arms of a seed run back to
+back, the order rotating with the seed. Claims, rows and their definitions: ``repro/spec/quality.py``.
 
-- held-out greedy accuracy and training reward against optimizer steps and wall-clock, per mode, mean and spread
-  over seeds; the quality metric is the area under the held-out accuracy curve (the mean over evaluation points,
-  step 0 included), which is less noisy than the final accuracy;
-- ``quality_gap_closed = 1 - (R_coloc - R_knittrans) / (R_coloc - R_trainbatch)`` at the fixed step budget, with a
-  bootstrap confidence interval over seeds;
-- each mode's measured staleness (mean, p99), wall-clock and throughput; and each run's measured time model
-  (decode time per token, trainer step time per token, sync cost) for calibrating the simulator.
+The throughput match comes first: short probe runs of train-batch (budget P) and of KnitTrans at each candidate
+budget alternate within each of ``match_passes`` passes; KnitTrans's matched budget is the smallest whose median
+raw steps/s ratio to train-batch's (same pass) is >= ``match_target``. The main runs then report the match they
+actually got (``quality_throughput_match``) beside the claim.
 
-Operating points (DESIGN.md, "Comparisons live on the staleness-throughput frontier"): each disaggregated mode runs
-at the smallest in-flight budget that does not cost it throughput. Train-batch admission needs a whole batch in
-flight (budget P; less deadlocks); KnitTrans admits a mini-batch at a time, so 2 mini-batches' worth of groups
-(double buffering) keeps its trainer busy. The run checks that KnitTrans's throughput is at least train-batch's
-(the ``throughput_matched`` claim, on the trainer's busy fraction, which the machine's load does not move the way
-it moves raw steps/s); if it is not, the comparison is reported as unmatched.
-
-Run: ``python -m repro.quality`` (defaults in repro/conf/quality.yaml; e.g. ``num_batches=20 seeds=[0]`` for a
-smoke run).
+Run: ``python -m repro.quality`` (defaults in repro/conf/quality.yaml; a smoke run: ``seeds=[0,1] num_batches=4
+prompts_per_batch=8 match_batches=2 match_passes=1 warm_steps=10 eval_every=4 heldout=32 logger=none``).
 """
 
 from __future__ import annotations
@@ -35,32 +28,32 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from baselines.admission import make_policy
 from knittrans.runtime.config import RuntimeConfig, SyncPolicy
 from knittrans.runtime.records import RunResult, write_trace
-from workloads.arith_session import arith_setup, greedy_accuracy, heldout_problems, run_mode
 from knittrans.runtime.trainer import GRPOConfig
+from repro.spec.quality import ARMS, QualityRun, ThroughputProbe, matched_budget
 from workloads.arith import ArithTask
+from workloads.arith_session import arith_setup, evaluate_snapshots, heldout_problems, run_mode
 from workloads.tiny_models import TinyPolicyConfig, WarmStartConfig
-from baselines.admission import make_policy
-
-MODES = ("colocated", "train_batch", "knittrans")
 
 
 @dataclass
 class QualityConfig:
     """The quality table's run settings."""
 
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
-    """One paired comparison (all three modes from the same warm start) per seed."""
-    num_batches: int = 50
-    """Training batches per run; optimizer steps = num_batches * num_minibatches (the fixed step budget)."""
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
+    """One paired comparison (every arm from the same warm start) per seed; >= 2 for an interval."""
+    num_batches: int = 30
+    """Training batches per run; optimizer steps = num_batches * num_minibatches (the fixed step budget): 480 at
+    the defaults (800 before the table ran 5 seeds x 4 arms; cut to keep it near 10 minutes on 2 cores)."""
     prompts_per_batch: int = 128
     """P: prompts per batch."""
     group_size: int = 8
     """n: samples per prompt."""
     num_minibatches: int = 16
     """M: optimizer steps per batch (colocated mean staleness (M - 1) / 2). M = 16 with P = 128 keeps a step at
-    64 trajectories (the step cost of P = 64, M = 8) and doubles the staleness that admission decides."""
+    64 trajectories and makes the staleness that admission decides large enough to show in learning."""
     lr: float = 3e-4
     """Adam learning rate."""
     clip_eps: float = 0.2
@@ -70,21 +63,27 @@ class QualityConfig:
     warm_steps: int = 200
     """Supervised warm-start steps (to roughly 20% greedy accuracy)."""
     trainbatch_budget: int = 0
-    """In-flight groups for train-batch admission; 0 = P, its minimum (anything less deadlocks)."""
+    """In-flight groups for train-batch admission (and KnitTrans's same-budget arm); 0 = P, its minimum."""
     knittrans_budget: int = 0
-    """In-flight groups for KnitTrans; 0 = 2 mini-batches' worth (2 P / M)."""
+    """KnitTrans's matched budget in groups; 0 = found by the throughput probes below."""
+    match_budgets: list[int] = field(default_factory=list)
+    """Candidate KnitTrans budgets for the match; [] = 1, 2, 4 ... mini-batches' worth of groups, up to P."""
+    match_batches: int = 4
+    """Training batches per probe run."""
+    match_passes: int = 3
+    """Interleaved probe passes (train-batch and every candidate once per pass)."""
+    match_target: float = 1.0
+    """The matched budget's median raw steps/s ratio to train-batch's must reach this."""
     sync: str = "every_step"
     """Weight sync policy of the disaggregated modes: every_step, every_k, every_batch."""
     sync_every: int = 1
     """k for every_k."""
     wave_groups: int = 8
     """Groups per generation call (one mini-batch's worth at the defaults)."""
-    eval_every: int = 50
-    """Held-out evaluation every this many optimizer steps."""
+    eval_every: int = 48
+    """Held-out evaluation every this many optimizer steps (step 0 included)."""
     heldout: int = 256
     """Held-out problems (fixed set, greedy decoding)."""
-    bootstrap: int = 2000
-    """Bootstrap resamples (over seeds) for the confidence interval."""
     threads: int = 1
     """torch intra-op threads per side (the disaggregated modes run two sides at once on 2 cores)."""
     logger: str = "none"
@@ -96,207 +95,183 @@ class QualityConfig:
 ConfigStore.instance().store(name="quality_schema", node=QualityConfig)
 
 
-def runtime_config(cfg: QualityConfig, mode: str, seed: int) -> RuntimeConfig:
-    P, M = cfg.prompts_per_batch, cfg.num_minibatches
-    budget = {"colocated": 0, "train_batch": cfg.trainbatch_budget or P,
-              "knittrans": cfg.knittrans_budget or 2 * P // M}[mode]
-    return RuntimeConfig.for_system(mode, num_batches=cfg.num_batches, prompts_per_batch=P, group_size=cfg.group_size,
-                         num_minibatches=M, max_new_tokens=ArithTask().max_answer_len + 2,
-                         sync=SyncPolicy(cfg.sync), sync_every=cfg.sync_every, inflight_groups=budget,
-                         wave_groups=cfg.wave_groups, eval_every=cfg.eval_every, seed=seed)
+def runtime_config(cfg: QualityConfig, system: str, budget: int, seed: int, num_batches: int | None = None,
+                   eval_every: int = 0) -> RuntimeConfig:
+    return RuntimeConfig.for_system(
+        system, num_batches=num_batches or cfg.num_batches, prompts_per_batch=cfg.prompts_per_batch,
+        group_size=cfg.group_size, num_minibatches=cfg.num_minibatches, max_new_tokens=ArithTask().max_answer_len + 2,
+        sync=SyncPolicy(cfg.sync), sync_every=cfg.sync_every, inflight_groups=budget, wave_groups=cfg.wave_groups,
+        eval_every=eval_every, seed=seed)
+
+
+def candidates(cfg: QualityConfig) -> list[int]:
+    if cfg.match_budgets:
+        return sorted(cfg.match_budgets)
+    g, P = cfg.prompts_per_batch // cfg.num_minibatches, cfg.prompts_per_batch
+    out, b = [], g
+    while b < P:
+        out.append(b)
+        b *= 2
+    return out + [P]
+
+
+def rotate(xs: list, k: int) -> list:
+    k %= max(1, len(xs))
+    return xs[k:] + xs[:k]
+
+
+def probe(cfg: QualityConfig, setup) -> list[ThroughputProbe]:  # noqa: ANN001 - an ArithSetup
+    """Short runs of train-batch and of KnitTrans at each candidate budget, alternating within each pass."""
+    P = cfg.trainbatch_budget or cfg.prompts_per_batch
+    arms = [("train_batch", P)] + [("knittrans", b) for b in candidates(cfg)]
+    rows = []
+    for k in tqdm(range(cfg.match_passes), desc="throughput probes", unit="pass"):
+        for arm, budget in rotate(arms, k):
+            rc = runtime_config(cfg, arm, budget, setup.seed, num_batches=cfg.match_batches)
+            run = run_mode(rc, setup, make_policy=make_policy)
+            rows.append(ThroughputProbe(seed=setup.seed, pass_index=k, arm=arm, budget_groups=budget,
+                                        steps_per_s=run.throughput_steps_per_s(),
+                                        staleness_mean=run.staleness_stats.mean))
+    return rows
 
 
 @dataclass
 class Curve:
-    """One run's learning curves and summary numbers."""
+    """One run's learning curve (for the plots)."""
 
-    mode: str
+    arm: str
     seed: int
-    eval_steps: list[int]
-    eval_acc: list[float]
-    eval_wall: list[float]
+    steps: list[int]
+    acc: list[float]
+    wall: list[float]
     reward: list[float]
-    """Mean training reward of each step's mini-batch."""
-    run: RunResult
-
-    @property
-    def auc(self) -> float:
-        return float(np.mean(self.eval_acc))
+    staleness: np.ndarray
 
 
-def evaluate(setup, run: RunResult, problems) -> tuple[list[int], list[float], list[float]]:
-    """Held-out accuracy of every snapshot, and the wall-clock time (since run start) it was reached."""
-    end_of = {s.version: s.t_end for s in run.steps}
-    steps = sorted(run.snapshots)
-    acc = [greedy_accuracy(setup, run.snapshots[k], problems) for k in steps]
-    return steps, acc, [end_of.get(k, 0.0) for k in steps]
+def run_seed(cfg: QualityConfig, setup, budgets: dict[str, int], problems, bar) -> tuple[list[QualityRun], list[Curve]]:  # noqa: ANN001,E501
+    """Every arm from this seed's warm start, back to back (the order rotates with the seed)."""
+    rows, curves = [], []
+    for order, arm in enumerate(rotate(list(ARMS), setup.seed)):
+        system = "knittrans" if arm.startswith("knittrans") else arm
+        rc = runtime_config(cfg, system, budgets[arm], setup.seed, eval_every=cfg.eval_every)
+        run = run_mode(rc, setup, make_policy=make_policy)
+        steps, acc, wall = evaluate_snapshots(setup, run, problems, max_new_tokens=rc.max_new_tokens)
+        write_trace(run, f"{cfg.out_dir}/traces/{arm}-seed{setup.seed}.csv.gz")
+        rows.append(row(arm, order, rc, run, acc))
+        curves.append(Curve(arm, setup.seed, steps, acc, wall, [s.mean_reward for s in run.steps], run.staleness()))
+        bar.set_postfix(arm=arm, seed=setup.seed, auc=f"{rows[-1].auc:.3f}", stale=f"{rows[-1].staleness_mean:.2f}")
+        bar.update()
+    return rows, curves
 
 
-def gap_closed(rc: float, rt: float, rk: float) -> float:
-    d = rc - rt
-    return 1.0 - (rc - rk) / d if d != 0 else float("nan")
+def row(arm: str, order: int, rc: RuntimeConfig, run: RunResult, acc: list[float]) -> QualityRun:
+    st = run.staleness_stats
+    return QualityRun(
+        seed=rc.seed, arm=arm, budget_groups=rc.budget if arm != "colocated" else 0, order=order,
+        steps=len(run.steps), auc=float(np.mean(acc)), final_acc=acc[-1], init_acc=acc[0],
+        mean_reward=float(np.mean([s.mean_reward for s in run.steps])), staleness_mean=st.mean,
+        staleness_p99=st.p99, staleness_max=st.max, staleness_bound=rc.staleness_bound(),
+        clip_frac=float(np.mean([s.clip_frac for s in run.steps])), wall_s=run.wall_s,
+        steps_per_s=run.throughput_steps_per_s(), trainer_busy=run.trainer_busy_fraction())
 
 
-def bootstrap_ci(aucs: dict[str, np.ndarray], n: int, seed: int = 0) -> tuple[float, float]:
-    """95% interval of quality_gap_closed, resampling seeds (paired: one index picks all three modes' runs)."""
-    rng = np.random.default_rng(seed)
-    k = len(aucs["colocated"])
-    vals = []
-    for _ in range(n):
-        idx = rng.integers(0, k, size=k)
-        g = gap_closed(*(float(aucs[m][idx].mean()) for m in ("colocated", "train_batch", "knittrans")))
-        if np.isfinite(g):
-            vals.append(g)
-    if not vals:
-        return float("nan"), float("nan")
-    return float(np.percentile(vals, 2.5)), float(np.percentile(vals, 97.5))
-
-
-def plot(curves: list[Curve], results) -> None:
-    """Accuracy and reward against steps and wall-clock (mean over seeds, min-max band), and staleness."""
+def plot(curves: list[Curve], results) -> None:  # noqa: ANN001 - a repro.results.Results
+    """Accuracy against steps and wall-clock (mean over seeds), each arm's paired gain over train-batch at every
+    evaluation point (mean, min-max band over seeds: the warm start moves every arm of a seed together), and the
+    measured staleness."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    (a_step, a_wall), (r_step, r_wall) = axes
-    for mode in MODES:
-        cs = [c for c in curves if c.mode == mode]
+    fig, (a_step, a_gain, a_wall, a_st) = plt.subplots(1, 4, figsize=(21, 4.5))
+    tb = {c.seed: np.array(c.acc) for c in curves if c.arm == "train_batch"}
+    for color, arm in enumerate(ARMS):
+        cs = [c for c in curves if c.arm == arm]
         if not cs:
             continue
-        steps = np.array(cs[0].eval_steps)
-        acc = np.array([c.eval_acc for c in cs])
-        a_step.plot(steps, acc.mean(0), label=mode)
-        a_step.fill_between(steps, acc.min(0), acc.max(0), alpha=0.2)
-        a_wall.plot(np.array([c.eval_wall for c in cs]).mean(0), acc.mean(0), label=mode)
-        rew = np.array([c.reward for c in cs])
-        w = max(1, rew.shape[1] // 40)
-        smooth = np.array([np.convolve(r, np.ones(w) / w, mode="valid") for r in rew]).mean(0)
-        r_step.plot(np.arange(len(smooth)) + w, smooth, label=mode)
-        t_end = np.array([[s.t_end for s in c.run.steps] for c in cs]).mean(0)
-        r_wall.plot(t_end[w - 1:], smooth, label=mode)
-    a_step.set(xlabel="optimizer step", ylabel="held-out greedy accuracy", title="accuracy vs steps (min-max band)")
+        kw = {"color": f"C{color}", "label": arm}
+        acc = np.array([c.acc for c in cs])
+        a_step.plot(cs[0].steps, acc.mean(0), **kw)
+        gain = np.array([np.array(c.acc) - tb[c.seed] for c in cs if c.seed in tb])
+        if arm != "train_batch" and len(gain):
+            a_gain.plot(cs[0].steps, gain.mean(0), **kw)
+            a_gain.fill_between(cs[0].steps, gain.min(0), gain.max(0), color=f"C{color}", alpha=0.15)
+        a_wall.plot(np.array([c.wall for c in cs]).mean(0), acc.mean(0), **kw)
+        st = np.concatenate([c.staleness for c in cs])
+        a_st.hist(st, bins=np.arange(st.max() + 2) - 0.5, alpha=0.4, color=f"C{color}",
+                  label=f"{arm} (mean {st.mean():.2f})")
+    a_step.set(xlabel="optimizer step", ylabel="held-out greedy accuracy", title="accuracy vs steps (mean over seeds)")
+    a_gain.axhline(0, color="k", lw=0.8)
+    a_gain.set(xlabel="optimizer step", ylabel="accuracy - train-batch's (same seed)",
+               title="paired gain over train-batch (min-max band)")
     a_wall.set(xlabel="wall-clock (s, mean over seeds)", ylabel="held-out greedy accuracy",
                title="accuracy vs wall-clock")
-    r_step.set(xlabel="optimizer step", ylabel="training reward (moving mean)", title="reward vs steps")
-    r_wall.set(xlabel="wall-clock (s, mean over seeds)", ylabel="training reward (moving mean)",
-               title="reward vs wall-clock")
-    for a in axes.flat:
-        a.legend()
+    a_st.set(xlabel="staleness v_train - v_gen (steps)", ylabel="trajectories", title="measured staleness")
+    for a in (a_step, a_gain, a_wall, a_st):
+        a.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(results.plot_path("quality_curves.png"), dpi=110)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for mode in MODES:
-        st = np.concatenate([c.run.staleness() for c in curves if c.mode == mode])
-        ax.hist(st, bins=np.arange(st.max() + 2) - 0.5, alpha=0.5, label=f"{mode} (mean {st.mean():.2f})")
-    ax.set(xlabel="staleness v_train - v_gen (steps)", ylabel="trajectories", title="measured staleness")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(results.plot_path("quality_staleness.png"), dpi=110)
-    plt.close(fig)
 
-
-def run_table(cfg: QualityConfig):
-    from repro.results import Claim, Results
+def run_table(cfg: QualityConfig):  # noqa: ANN201 - a repro.results.Results
+    from repro.results import Results
 
     torch.set_num_threads(cfg.threads)
     results = Results(table="quality", out_dir=cfg.out_dir)
+    t_start = time.perf_counter()
     task = ArithTask()
     problems = heldout_problems(task, cfg.heldout)
+    grpo = GRPOConfig(lr=cfg.lr, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef)
+
+    def setup_of(seed: int):  # noqa: ANN202
+        return arith_setup(seed, TinyPolicyConfig(), WarmStartConfig(steps=cfg.warm_steps), grpo, task)
+
+    first = setup_of(cfg.seeds[0])
+    probes: list[ThroughputProbe] = []
+    P = cfg.trainbatch_budget or cfg.prompts_per_batch
+    if cfg.knittrans_budget:
+        matched, ratio = cfg.knittrans_budget, float("nan")
+    else:
+        probes = probe(cfg, first)
+        matched, ratio = matched_budget(probes, cfg.match_target)
+    budgets = {"colocated": 0, "train_batch": P, "knittrans_same_budget": P, "knittrans_matched": matched}
+    rows: list[QualityRun] = []
     curves: list[Curve] = []
-    t_start = time.perf_counter()
-    bar = tqdm(total=len(cfg.seeds) * len(MODES), desc="quality runs")
-    for seed in cfg.seeds:
-        setup = arith_setup(seed, TinyPolicyConfig(), WarmStartConfig(steps=cfg.warm_steps),
-                            GRPOConfig(lr=cfg.lr, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef), task)
-        for mode in MODES:
-            rc = runtime_config(cfg, mode, seed)
-            run = run_mode(rc, setup, make_policy=make_policy)
-            steps, acc, wall = evaluate(setup, run, problems)
-            curves.append(Curve(mode, seed, steps, acc, wall, [s.mean_reward for s in run.steps], run))
-            write_trace(run, f"{cfg.out_dir}/traces/{mode}-seed{seed}.csv.gz")
-            st, tm = run.staleness_summary(), run.timings()
-            results.rows.append({
-                "mode": mode, "seed": seed, "budget_groups": rc.budget if mode != "colocated" else None,
-                "steps": len(run.steps), "auc_acc": curves[-1].auc, "final_acc": acc[-1], "init_acc": acc[0],
-                "mean_reward": float(np.mean(curves[-1].reward)), "staleness_mean": st["mean"],
-                "staleness_p99": st["p99"], "staleness_max": st["max"], "staleness_bound": rc.staleness_bound(),
-                "clip_frac": float(np.mean([s.clip_frac for s in run.steps])), "wall_s": run.wall_s,
-                "steps_per_s": run.throughput_steps_per_s(), "trainer_busy": run.trainer_busy_fraction(),
-                "trainer_wait_s": run.wall_s - sum(s.step_s for s in run.steps),
-                "decode_s_per_token": tm.decode_s_per_token,
-                "train_s_per_token": tm.train_s_per_token, "step_s_mean": tm.step_s_mean,
-                "sync_s_mean": tm.sync_s_mean, "syncs": tm.syncs, "wave_s_mean": tm.wave_s_mean})
-            bar.set_postfix(mode=mode, seed=seed, auc=f"{curves[-1].auc:.3f}", stale=f"{st['mean']:.2f}")
-            bar.update()
-    bar.close()
-
-    def per_mode(key: str) -> dict[str, np.ndarray]:
-        return {m: np.array([r[key] for r in results.rows if r["mode"] == m], dtype=float) for m in MODES}
-
-    auc, stale, wall, thr = per_mode("auc_acc"), per_mode("staleness_mean"), per_mode("wall_s"), per_mode("steps_per_s")
-    busy = per_mode("trainer_busy")
-    for m in MODES:
-        results.rows.append({"mode": m, "seed": "mean", "auc_acc": auc[m].mean(), "staleness_mean": stale[m].mean(),
-                             "wall_s": wall[m].mean(), "steps_per_s": thr[m].mean(), "trainer_busy": busy[m].mean(),
-                             "auc_spread": float(auc[m].max() - auc[m].min())})
-    rc_, rt_, rk_ = (float(auc[m].mean()) for m in MODES)
-    gap = gap_closed(rc_, rt_, rk_)
-    lo, hi = bootstrap_ci(auc, cfg.bootstrap)
-    gap_exists = rc_ - rt_ > float(np.std(auc["colocated"] - auc["train_batch"]) / max(1, len(cfg.seeds)) ** 0.5)
-    results.claims.append(Claim(
-        "quality_gap_closed", paper="narrows the gap (> 0)", measured=gap, unit="fraction",
-        holds=bool(gap_exists and lo > 0),
-        note=f"AUC of held-out accuracy over {len(curves[0].run.steps)} steps: colocated {rc_:.3f}, train-batch "
-             f"{rt_:.3f}, KnitTrans {rk_:.3f}; 95% bootstrap CI over {len(cfg.seeds)} seeds [{lo:.2f}, {hi:.2f}]; "
-             f"holds if the colocated/train-batch gap exceeds its standard error and the CI is above 0"
-             + ("" if gap_exists else "; the gap does not show at this scale")))
-    A_tb = stale["train_batch"].mean() - stale["colocated"].mean()
-    A_kt = stale["knittrans"].mean() - stale["colocated"].mean()
-    results.claims.append(Claim(
-        "architectural_staleness_reduction", paper=0.93, measured=1 - A_kt / A_tb if A_tb else None, unit="fraction",
-        holds=bool(A_tb > 0 and 1 - A_kt / A_tb > 0),
-        note=f"measured A = mean staleness - colocated's ({stale['colocated'].mean():.2f}): train-batch {A_tb:.2f}, "
-             f"KnitTrans {A_kt:.2f} (negative: fresher than colocated); each at its smallest budget that keeps "
-             f"the trainer busy"))
-    for m in MODES:
-        results.claims.append(Claim(f"staleness_mean_{m}", paper=None, measured=float(stale[m].mean()), unit="steps",
-                                    holds=True, note="measured v_train - v_gen over every trajectory, mean over seeds"))
-        results.claims.append(Claim(f"wallclock_{m}", paper=None, measured=float(wall[m].mean()), unit="s",
-                                    holds=True, note="run wall-clock (rollout + training, no evaluation), mean"))
-    ratio = float(busy["knittrans"].mean() / busy["train_batch"].mean())
-    raw = float(thr["knittrans"].mean() / thr["train_batch"].mean())
-    results.claims.append(Claim(
-        "throughput_matched", paper=">= 1", measured=ratio, unit="x", holds=ratio >= 0.98,
-        note=f"KnitTrans trainer busy fraction over train-batch's at their budgets ({busy['knittrans'].mean():.3f} vs "
-             f"{busy['train_batch'].mean():.3f}); matched operating point if >= 1 (0.98 allows for noise). Raw "
-             f"steps/s ratio {raw:.2f}: on a shared 2-core machine the step time itself varies ~2x between runs, "
-             f"so raw throughput compares machine load, the busy fraction compares the modes"))
+    with tqdm(total=len(cfg.seeds) * len(ARMS), desc="quality runs", unit="run") as bar:
+        for seed in cfg.seeds:
+            r, c = run_seed(cfg, first if seed == cfg.seeds[0] else setup_of(seed), budgets, problems, bar)
+            rows += r
+            curves += c
+    results.set_trials([*probes, *rows])
+    results.rows = [r.as_dict() for r in rows]
     plot(curves, results)
-    results.extra["calibration"] = [{k: r[k] for k in ("mode", "seed", "decode_s_per_token", "train_s_per_token",
-                                                        "step_s_mean", "sync_s_mean", "syncs", "wave_s_mean")}
-                                    for r in results.rows if r["seed"] != "mean"]
+    results.extra["curves"] = [{"arm": c.arm, "seed": c.seed, "steps": c.steps, "acc": c.acc, "wall_s": c.wall}
+                               for c in curves]
     results.extra["total_s"] = time.perf_counter() - t_start
-    results.extra["traces"] = "traces/<mode>-seed<seed>.csv.gz: per trajectory v_gen, v_train, step, timestamps"
+    results.extra["matched_budget"] = {"budget_groups": matched, "probe_median_ratio": ratio,
+                                       "probes": [p.as_dict() for p in probes]}
+    results.extra["traces"] = "traces/<arm>-seed<seed>.csv.gz: per trajectory v_gen, v_train, step, timestamps"
     results.text = (
-        f"Policy: Llama-style, {sum(p.numel() for p in setup.model.parameters())} parameters, "
-        f"15-token character tokenizer; task ab+c= with exact-match reward; warm start {cfg.warm_steps} supervised "
-        f"steps. GRPO: P={cfg.prompts_per_batch} prompts x n={cfg.group_size}, M={cfg.num_minibatches}, Adam lr "
-        f"{cfg.lr}, clip {cfg.clip_eps}, KL {cfg.kl_coef}.\n\n"
+        f"Policy: Llama-style, {sum(p.numel() for p in first.model.parameters())} parameters, 15-token character "
+        f"tokenizer; task ab+c= with exact-match reward; warm start {cfg.warm_steps} supervised steps. GRPO: "
+        f"P={cfg.prompts_per_batch} prompts x n={cfg.group_size}, M={cfg.num_minibatches}, "
+        f"{cfg.num_batches * cfg.num_minibatches} optimizer steps per run, Adam lr {cfg.lr}, clip {cfg.clip_eps}, "
+        f"KL {cfg.kl_coef}. Every trajectory goes through the handoff (in-process transport): put by the rollout "
+        f"thread, admitted in its controller, fetched packed and prefetched by the trainer, acked after the step.\n\n"
         f"Version semantics: disaggregated weight sync {cfg.sync} (k={cfg.sync_every}); the engine loads the newest "
         f"published weights between generation waves of {cfg.wave_groups} groups; in-flight waves finish with the "
         f"weights they started with (v_gen is exact). Colocated generates each batch with the newest weights.\n\n"
-        f"Budgets (groups in flight): train-batch {cfg.trainbatch_budget or cfg.prompts_per_batch} (its minimum), "
-        f"KnitTrans {cfg.knittrans_budget or 2 * cfg.prompts_per_batch // cfg.num_minibatches}. Wall-clock on a "
-        f"shared 2-core machine is noisy; the per-run time model is in summary.json under `calibration`.\n")
+        f"Budgets (groups in flight): train-batch {P} (its minimum), KnitTrans {P} (same budget) and {matched} "
+        f"(throughput-matched: median probe steps/s ratio {ratio:.2f} over {cfg.match_passes} interleaved passes of "
+        f"{cfg.match_batches} batches; candidates {candidates(cfg)}). Raw steps/s on a shared 2-core machine is "
+        f"noisy; the probes alternate the systems within each pass so they see the same load.\n")
     return results
 
 
 @hydra.main(config_path="conf", config_name="quality", version_base=None)
-def main(cfg) -> None:
+def main(cfg) -> None:  # noqa: ANN001
     from repro.logger import publish
 
     qc = QualityConfig(**OmegaConf.to_container(cfg, resolve=True))

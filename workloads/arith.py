@@ -84,7 +84,7 @@ class TokenPrompt:
 class ArithRLTask:
     """The arithmetic task over a tokenizer: seeded prompt batches and an exact reward on response token ids.
 
-    Implements the runtime's ``RLTask`` protocol (``knittrans.runtime.orchestrator``)."""
+    Implements the runtime's ``RLTask`` protocol (``knittrans.runtime.protocols``)."""
 
     def __init__(self, task: ArithTask, tokenizer) -> None:
         self.task = task

@@ -12,6 +12,8 @@ Example::
     ...                                         num_minibatches=2), setup)
     >>> [s.version for s in run.steps]
     [1, 2, 3, 4]
+    >>> run.staleness_stats.max <= run.config.staleness_bound()
+    True
 """
 
 from __future__ import annotations
@@ -89,3 +91,13 @@ def greedy_accuracy(setup: ArithSetup, weights: dict[str, torch.Tensor], problem
         if eos in s.response_ids and setup.task.response_text(s.response_ids) == p.answer:
             hits += 1
     return hits / len(problems)
+
+
+def evaluate_snapshots(setup: ArithSetup, run: RunResult, problems: list[ArithProblem],
+                       max_new_tokens: int = 5) -> tuple[list[int], list[float], list[float]]:
+    """Held-out greedy accuracy of every weight snapshot a run took (``RuntimeConfig.eval_every``), by version,
+    with the wall-clock (seconds since the run started) at which the run reached that version."""
+    end_of = {s.version: s.t_end for s in run.steps}
+    versions = sorted(run.snapshots)
+    acc = [greedy_accuracy(setup, run.snapshots[v], problems, max_new_tokens) for v in versions]
+    return versions, acc, [end_of.get(v, 0.0) for v in versions]

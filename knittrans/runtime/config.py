@@ -10,6 +10,8 @@ config):
   update), so a trajectory's ``v_gen`` is the single version that produced all of its tokens.
 - Flow control is an **in-flight budget** in groups: a group counts from dispatch to rollout until the trainer has
   finished the step that consumes it.
+- Every trajectory reaches the trainer through a ``knittrans.handoff.Handoff`` (``transport``: in-process or Ray):
+  admission runs in its controller as trajectories are put, the trainer iterates its prefetched packed shares.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+from knittrans.handoff import Transport
 from knittrans.types import AdmissionKind, ExecutionMode, SyncPolicy
 
 
@@ -77,6 +80,17 @@ class RuntimeConfig:
     """Snapshot the trainer's weights every this many steps for offline evaluation (0: none)."""
     seed: int = 0
     """Prompt stream and sampling seed."""
+    adv_eps: float = 1e-6
+    """Added to a group's reward std in its advantages (a group of identical rewards gets zero advantage, not
+    NaN)."""
+    transport: Transport = Transport.INPROCESS
+    """The handoff's transport: ``inprocess`` (controller and storage unit are objects of this process) or ``ray``
+    (they are Ray actors; ``ray.init`` must have run). The same path either way."""
+    multimodal: bool = False
+    """A multimodal task: the handoff stores each request's images once per distinct content (``MM_SCHEMA``) and
+    the learner steps on ``MMShare``s. Text tasks leave it False (a rollout carrying images is then rejected)."""
+    prefetch_depth: int = 2
+    """Shares the trainer's consumer prepares ahead of the step that computes (``HandoffConfig.prefetch_depth``)."""
 
     def __post_init__(self) -> None:
         try:
@@ -90,8 +104,15 @@ class RuntimeConfig:
         if self.admission is AdmissionKind.CLAIRVOYANT:
             raise RuntimeConfigError("RuntimeConfig.admission=clairvoyant needs every response's length in advance: "
                                      "the simulator's bound, not a real run")
+        try:
+            object.__setattr__(self, "transport", Transport(self.transport))
+        except ValueError:
+            raise RuntimeConfigError(f"RuntimeConfig.transport must be one of {[t.value for t in Transport]}, got "
+                                     f"{self.transport!r}") from None
+        if not self.adv_eps > 0:
+            raise RuntimeConfigError(f"RuntimeConfig.adv_eps must be > 0, got {self.adv_eps}")
         for name in ("num_batches", "prompts_per_batch", "group_size", "num_minibatches", "max_new_tokens",
-                     "sync_every", "wave_groups"):
+                     "sync_every", "wave_groups", "prefetch_depth"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise RuntimeConfigError(f"RuntimeConfig.{name} must be an int >= 1, got {v!r}")

@@ -1,25 +1,37 @@
-"""The orchestrator: runs rollout and training in one of three modes, with the project's admission policies.
+"""The orchestrator: runs rollout and training through the handoff, in one of three modes.
 
-- ``colocated``: one thread takes turns: load the newest weights, generate a whole batch, train its M
-  mini-batches (train-batch admission). Staleness is purely algorithmic: ``j`` for the j-th mini-batch.
+Every trajectory takes the same path (``knittrans.handoff.Handoff``, built from ``RuntimeConfig``): the rollout
+side scores a generated wave, turns each sample and its group-normalized advantage (and its request's images)
+into a ``Rollout`` and ``put``s it; admission runs in the handoff's controller as trajectories complete (the
+policy is built by the caller's ``make_policy``, e.g. ``baselines.admission.make_policy``: one implementation,
+shared with the simulator); the trainer iterates ``consumer(0)``'s prefetched packed shares, runs one
+``Learner.step`` per share and acks it after the step. Modes:
+
+- ``colocated``: one thread takes turns: load the newest weights, generate a whole batch and put it, then train
+  its M mini-batches (train-batch admission). Staleness is purely algorithmic: ``j`` for the j-th mini-batch.
 - disaggregated (``train_batch``, ``knittrans``, ``greedy``, ``bounded_async``): a rollout thread generates
-  groups in waves while the trainer (the calling thread) steps; the admission policy (built by the
-  caller's ``make_policy``, e.g. ``baselines.admission.make_policy``: one implementation, shared with the simulator) decides which completed
-  groups each step consumes. Flow control and weight sync follow ``RuntimeConfig``.
+  groups in waves while the trainer (the calling thread) steps. Flow control and weight sync follow
+  ``RuntimeConfig``: a group counts against the in-flight budget from dispatch until the step that consumes it
+  (``share.group_ids``) has finished.
 
-Concurrency: one ``threading.Condition`` guards all shared state (dispatch queue, in-flight count, published
-weights, the admission policy, the error slot); each side waits on it, and each state change notifies it. No
-sleep-polling. Torch releases the GIL inside its kernels, so the two threads overlap on two cores.
+Task, engine and learner are the contracts of ``knittrans.runtime.protocols`` (text or multimodal alike). One
+trainer rank: data-parallel ranks would each need a learner replica stepping on its own ``consumer(rank)``.
+
+Concurrency: one ``threading.Condition`` guards the orchestrator's state (dispatch queue, in-flight count,
+published weights, the error slot); each side waits on it, and each change notifies it. No sleep-polling. A
+rollout failure closes the handoff's data plane, which wakes the trainer's consumer; the trainer re-raises it.
 
 Invariants checked on every run (``RunResult`` is returned only if they hold): every dispatched trajectory is
-consumed by exactly one step; versions increase by one per step; no trajectory is staler than
+consumed by exactly one step; versions increase by one per step; the ``seq``-th share is trained at version
+``seq``; the handoff's records (``v_gen``, ``v_train``) equal the orchestrator's own; no trajectory is staler than
 ``RuntimeConfig.staleness_bound()`` (when enforced). A failing generation wave is retried or fails the run
-(``RolloutWorkerError``); a group is never dropped silently.
+(``RolloutWorkerError``); a group is never dropped silently; a run that cannot progress fails, never hangs.
 
-Faults (docs/reliability.md): a wave that dies mid-group or runs past ``generation_timeout_s`` is abandoned
-and regenerated under the retry policy (its partial output never reaches admission); a trainer crash re-delivers
-the mini-batch, and the ``StepLedger`` keyed by (batch, mini-batch index) applies each optimizer step once.
-``RuntimeFaultPlan`` injects them.
+Faults (docs/reliability.md): a wave that dies mid-group or runs past ``generation_timeout_s`` is abandoned and
+regenerated under the retry policy (its partial output never reaches the handoff); a trainer crash drops the
+rank's consumer with everything it prefetched, the controller returns the rank's unacked shares
+(``recover_rank``) and a new consumer gets the crashed mini-batch again; the ``StepLedger`` keyed by (batch,
+mini-batch index) applies each optimizer step once. ``RuntimeFaultPlan`` injects them.
 """
 
 from __future__ import annotations
@@ -28,7 +40,7 @@ import concurrent.futures
 import threading
 import time
 from collections import deque
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Iterator
 
 import torch
 
@@ -36,14 +48,17 @@ from knittrans.admission.base import AdmissionPolicy
 from knittrans.admission.minibatch import KnitTransAdmission
 from knittrans.constraints import BatchConstraints
 from knittrans.dataplane.faults import StepLedger
-from knittrans.dataplane.types import MiniBatchKey
+from knittrans.dataplane.types import PackedShare
+from knittrans.handoff import Consumer, Handoff, HandoffConfig, Producer, Transport
 from knittrans.runtime.config import OnRolloutError, RuntimeConfig
 from knittrans.runtime.engine import GroupRequest, RolloutEngine, Sample, SamplingConfig
 from knittrans.runtime.faults import (FaultLog, FaultyEngine, GenerationTimeoutError, RuntimeFaultPlan,
                                       TrainerCrashedError)
+from knittrans.runtime.protocols import Learner, RLTask, StepResult
 from knittrans.runtime.records import RunResult, StepRecord, TrajRecord
-from knittrans.runtime.trainer import GRPOTrainer, TrainItem, group_advantages
-from knittrans.types import AdmissionKind, BatchPlan, ExecutionMode, GroupSpec, MiniBatch, SyncPolicy, Trajectory
+from knittrans.runtime.rollouts import to_rollout
+from knittrans.runtime.trainer import group_advantages
+from knittrans.types import AdmissionKind, BatchPlan, ExecutionMode, GroupSpec, SyncPolicy
 
 
 class RolloutWorkerError(RuntimeError):
@@ -55,15 +70,7 @@ class StalenessBoundError(RuntimeError):
 
 
 class RunInvariantError(RuntimeError):
-    """A trajectory was lost or trained twice, or versions did not advance one per step."""
-
-
-class RLTask(Protocol):
-    """Prompts and exact rewards (``workloads.arith.ArithRLTask`` is one)."""
-
-    def batch(self, seed: int, batch_id: int, n: int) -> Sequence: ...  # items with .prompt_ids
-
-    def reward(self, prompt, response_ids: tuple[int, ...]) -> float: ...
+    """A trajectory was lost or trained twice, versions did not advance one per step, or the run stalled."""
 
 
 PolicyFactory = Callable[[AdmissionKind, BatchConstraints], AdmissionPolicy]
@@ -80,34 +87,40 @@ def knittrans_policy(kind: AdmissionKind, constraints: BatchConstraints) -> Admi
 
 
 class Orchestrator:
-    """Runs one ``RuntimeConfig`` with a trainer, an engine and a task; ``make_policy`` builds its admission."""
+    """Runs one ``RuntimeConfig`` with a learner, an engine and a task; ``make_policy`` builds its admission.
+    Single use: ``run()`` builds the run's handoff and closes it at the end."""
 
-    def __init__(self, cfg: RuntimeConfig, trainer: GRPOTrainer, engine: RolloutEngine, task: RLTask,
+    def __init__(self, cfg: RuntimeConfig, learner: Learner, engine: RolloutEngine, task: RLTask,
                  faults: RuntimeFaultPlan | None = None, make_policy: PolicyFactory = knittrans_policy) -> None:
         self.cfg = cfg
-        self.trainer = trainer
+        self.learner = learner
         self.faults = faults or RuntimeFaultPlan()
         self.fault_log = FaultLog()
         self.engine = FaultyEngine(engine, self.faults, self.fault_log) if self.faults.engine_faults else engine
         self.task = task
-        self._ledger: StepLedger = StepLedger()  # exactly-once steps across trainer restarts
+        self._ledger: StepLedger[StepResult] = StepLedger()  # exactly-once steps across trainer restarts
         self._crashed: set[int] = set()
         self.sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
         self.constraints = BatchConstraints(batch_size=cfg.prompts_per_batch * cfg.group_size,
                                             num_minibatches=cfg.num_minibatches,
                                             max_response_len=cfg.max_new_tokens, group_size=cfg.group_size)
         self.policy = make_policy(cfg.admission, self.constraints)
+        self.handoff: Handoff | None = None  # built by run(), with the rollout side's producer and rank 0's consumer
+        self._producer: Producer | None = None
+        self._consumer: Consumer | None = None
+        self._shares: Iterator[PackedShare] = iter(())
         self._cv = threading.Condition()
         self._pending: deque[GroupRequest] = deque()
+        self._plans: list[BatchPlan] = []
         self._prompts: dict[int, object] = {}
-        self._items: dict[int, TrainItem] = {}
         self._records: dict[int, TrajRecord] = {}
         self._inflight = 0  # groups dispatched and not yet consumed by a finished step
-        self._generating = 0  # waves running right now
+        self._steps_done = 0  # steps whose groups were released from flow control
         self._published: tuple[int, dict[str, torch.Tensor]] | None = None
         self._publish_s: list[float] = []
         self._error: BaseException | None = None
         self._stop = False
+        self._plane_closed = False
         self._failures = 0
         self._t0 = 0.0
         self._plan()
@@ -124,9 +137,16 @@ class Orchestrator:
                 gid = b * c.prompts_per_batch + i
                 self._prompts[gid] = p
                 tids = tuple(gid * c.group_size + j for j in range(c.group_size))
-                self._pending.append(GroupRequest(gid, b, tuple(p.prompt_ids), tids))
+                images, grids = tuple(getattr(p, "images", ())), tuple(getattr(p, "grids", ()))
+                self._pending.append(GroupRequest(gid, b, tuple(p.prompt_ids), tids, images, grids))
                 groups.append(GroupSpec(gid, b, c.group_size, prompt_tokens=len(p.prompt_ids)))
-            self.policy.add_batch(BatchPlan(b, tuple(groups)))
+            self._plans.append(BatchPlan(b, tuple(groups)))
+
+    def handoff_config(self) -> HandoffConfig:
+        """The run's handoff: its batch constraints, transport and prefetch depth; one storage unit, one rank."""
+        c = self.cfg
+        return HandoffConfig(self.constraints, transport=Transport(c.transport), multimodal=c.multimodal,
+                             prefetch_depth=c.prefetch_depth)
 
     def _now(self) -> float:
         return time.perf_counter() - self._t0
@@ -134,38 +154,45 @@ class Orchestrator:
     # -- public ------------------------------------------------------------------------------------------------
 
     def run(self) -> RunResult:
+        if self.handoff is not None:
+            raise RuntimeError("Orchestrator.run: an orchestrator runs once (build a new one)")
         self._t0 = time.perf_counter()
-        self._publish()
-        # The engine starts from the trainer's weights whatever it was built with (a reused engine, a vLLM engine
-        # loaded from a checkpoint directory): version 0 is loaded unconditionally.
-        with self._cv:
-            assert self._published is not None
-            version, weights = self._published
-        self.engine.load_weights(weights, version)
+        self.handoff = Handoff(self.handoff_config(), self.policy)
         steps: list[StepRecord] = []
         snapshots: dict[int, dict[str, torch.Tensor]] = {}
-        if self.cfg.eval_every:
-            snapshots[0] = self.trainer.weights()
         try:
+            for plan in self._plans:
+                self.handoff.add_batch(plan)
+            self.handoff.seal()
+            self._producer = self.handoff.producer()
+            self._consumer = self.handoff.consumer(0)
+            self._shares = iter(self._consumer)
+            self._publish()
+            # The engine starts from the learner's weights whatever it was built with (a reused engine, a vLLM
+            # engine loaded from a checkpoint directory): version 0 is loaded unconditionally.
+            assert self._published is not None
+            self.engine.load_weights(self._published[1], self._published[0])
+            if self.cfg.eval_every:
+                snapshots[0] = self.learner.weights()
             if self.cfg.mode is ExecutionMode.COLOCATED:
                 self._run_colocated(steps, snapshots)
             else:
-                worker = threading.Thread(target=self._rollout_loop, name="rollout", daemon=True)
-                worker.start()
-                try:
-                    self._train_loop(steps, snapshots)
-                finally:
-                    with self._cv:
-                        self._stop = True
-                        self._cv.notify_all()
-                    worker.join()
+                self._run_disaggregated(steps, snapshots)
+            # Ray acks are one-way messages: wait until the controller has them all before reading its records.
+            self.handoff.wait_version(self.cfg.total_steps, timeout=120)
+            records, stats = self.handoff.records(), self.handoff.staleness()
+            controller = self.handoff.stats()[0]
         finally:
             if isinstance(self.engine, FaultyEngine):
                 self.engine.release()
+            self._close_handoff()
         wall = self._now()
+        local = self.cfg.transport is Transport.INPROCESS  # on Ray the policy's counters live in the actor
         result = RunResult(config=self.cfg, trajectories=sorted(self._records.values(), key=lambda r: r.traj_id),
-                           steps=steps, wall_s=wall, engine=self.engine.stats, admission=self.policy.stats,
-                           publish_s=self._publish_s, snapshots=snapshots, rollout_failures=self._failures,
+                           steps=steps, wall_s=wall, engine=self.engine.stats, handoff_records=records,
+                           staleness_stats=stats, controller=controller,
+                           admission=self.policy.stats if local else None, publish_s=self._publish_s,
+                           snapshots=snapshots, rollout_failures=self._failures,
                            faults_injected=dict(self.fault_log.injected),
                            faults_recovered=dict(self.fault_log.recovered))
         if self._ledger.version != len(steps):
@@ -173,22 +200,58 @@ class Orchestrator:
         check_run(result)
         return result
 
+    def _run_disaggregated(self, steps: list[StepRecord], snapshots: dict[int, dict[str, torch.Tensor]]) -> None:
+        worker = threading.Thread(target=self._rollout_loop, name="rollout", daemon=True)
+        worker.start()
+        try:
+            while len(steps) < self.cfg.total_steps:
+                self._train_share(self._next_share(), steps, snapshots)
+        finally:
+            with self._cv:
+                self._stop = True
+                self._cv.notify_all()
+            if isinstance(self.engine, FaultyEngine):
+                self.engine.release()  # an injected stall must not hold the join below
+            worker.join()
+
+    def _close_handoff(self) -> None:
+        """Stop the consumer and close the data plane, once (a failing rollout thread may have closed it)."""
+        if self._consumer is not None:
+            self._consumer.close()
+        self._close_plane()
+
+    def _close_plane(self) -> None:
+        with self._cv:
+            if self._plane_closed or self.handoff is None:
+                return
+            self._plane_closed = True
+        self.handoff.plane.close()
+
+    def _fail(self, error: BaseException) -> None:
+        """The rollout side failed: record the error for the trainer and close the data plane, which ends the
+        trainer's wait for its next share (the trainer then re-raises ``error``)."""
+        with self._cv:
+            if self._error is None:
+                self._error = error
+            self._cv.notify_all()
+        self._close_plane()
+
     # -- weights -----------------------------------------------------------------------------------------------
 
     def _publish(self) -> None:
         t0 = time.perf_counter()
-        w = self.trainer.weights()
+        w = self.learner.weights()
         self._publish_s.append(time.perf_counter() - t0)
         with self._cv:
-            self._published = (self.trainer.version, w)
+            self._published = (self.learner.version, w)
 
-    def _sync_due(self, mb: MiniBatch) -> bool:
+    def _sync_due(self, share: PackedShare) -> bool:
         c = self.cfg
         if c.sync is SyncPolicy.EVERY_STEP:
             return True
         if c.sync is SyncPolicy.EVERY_K:
-            return self.trainer.version % c.sync_every == 0
-        return mb.index == c.num_minibatches - 1
+            return self.learner.version % c.sync_every == 0
+        return share.key.index == c.num_minibatches - 1
 
     def _load_newest(self) -> None:
         """Engine side of a sync point: load the newest published weights if the engine is behind."""
@@ -236,129 +299,166 @@ class Orchestrator:
                                          f"generation_timeout_s={timeout}; abandoned and regenerated") from None
 
     def _complete(self, wave: list[GroupRequest], samples: list[Sample], t_dispatch: float) -> None:
-        """Score a finished wave and hand its trajectories to the admission policy (caller holds the lock)."""
+        """Score a finished wave and put its trajectories through the handoff (which admits them). The
+        orchestrator's records are written first: the trainer may receive a share the moment the put returns."""
         by_group: dict[int, list[Sample]] = {}
         for s in samples:
             by_group.setdefault(s.group_id, []).append(s)
         now = self._now()
+        records, rollouts = {}, []
         for r in wave:
             got = by_group.get(r.group_id, [])
             if sorted(s.traj_id for s in got) != sorted(r.traj_ids):
                 raise RolloutWorkerError(f"group {r.group_id}: engine returned trajectories "
                                          f"{sorted(s.traj_id for s in got)}, expected {sorted(r.traj_ids)}")
             rewards = [self.task.reward(self._prompts[r.group_id], s.response_ids) for s in got]
-            for it in group_advantages(got, rewards, self.trainer.cfg.adv_eps):
+            for it in group_advantages(got, rewards, self.cfg.adv_eps):
                 s = it.sample
-                self._items[s.traj_id] = it
-                self._records[s.traj_id] = TrajRecord(s.traj_id, s.group_id, s.batch_id, len(s.response_ids),
-                                                      it.reward, s.v_gen, t_dispatch, now)
-                self.policy.on_complete(Trajectory(s.traj_id, s.group_id, s.batch_id, len(s.response_ids),
-                                                   s.v_gen, len(s.prompt_ids), now))
+                records[s.traj_id] = TrajRecord(s.traj_id, s.group_id, s.batch_id, len(s.response_ids), it.reward,
+                                                s.v_gen, t_dispatch, now)
+                rollouts.append(to_rollout(it, r, now))
+        with self._cv:
+            self._records.update(records)
+        assert self._producer is not None
+        self._producer.put(rollouts)
 
     def _rollout_loop(self) -> None:
         c = self.cfg
         try:
             while True:
                 with self._cv:
-                    self._cv.wait_for(lambda: self._stop or (self._pending and self._inflight < c.budget))
+                    while not (self._stop or (self._pending and self._inflight < c.budget)):
+                        self._check_progress_locked()
+                        if not self._pending:
+                            return  # every group generated, put and admitted
+                        self._cv.wait()
                     if self._stop:
                         return
                     k = min(c.wave_groups, c.budget - self._inflight, len(self._pending))
                     wave = [self._pending.popleft() for _ in range(k)]
                     self._inflight += k
-                    self._generating += 1
                 self._load_newest()
                 t_dispatch = self._now()
                 samples = self._generate(wave)
-                with self._cv:
-                    self._complete(wave, samples, t_dispatch)
-                    self._generating -= 1
-                    self._cv.notify_all()
+                self._complete(wave, samples, t_dispatch)
         except BaseException as e:  # noqa: BLE001 - handed to the trainer thread, which re-raises it
-            with self._cv:
-                self._error = e
-                self._generating = 0
-                self._cv.notify_all()
+            self._fail(e)
+
+    def _check_progress_locked(self) -> None:
+        """Called by the rollout thread when it cannot dispatch (lock held). Admission runs only inside its puts,
+        so while it waits the admitted count is final: once every group is put, every mini-batch must be
+        admitted; before that, if the trainer has finished every admitted mini-batch, nothing can ever free the
+        budget or admit more. Either way the run fails loudly instead of hanging."""
+        assert self.handoff is not None
+        c = self.cfg
+        admitted = self.handoff.plane.controller_stats().admitted
+        if not self._pending and admitted < c.total_steps:
+            raise RunInvariantError(f"deadlock: admission {c.admission.value!r} committed {admitted} of "
+                                    f"{c.total_steps} mini-batches after every group completed")
+        if self._pending and admitted == self._steps_done:
+            raise RunInvariantError(f"deadlock: admission {c.admission.value!r} commits nothing with "
+                                    f"{self._inflight} groups in flight (budget {c.budget}) and "
+                                    f"{len(self._pending)} waiting to be dispatched ({admitted} mini-batches "
+                                    f"admitted, all trained)")
 
     # -- training ----------------------------------------------------------------------------------------------
 
-    def _next_minibatches(self) -> list[MiniBatch]:
-        """Wait until the admission policy commits something; raise if the rollout worker failed or the run can
-        make no progress (which flow control must prevent: a loud failure, never a hang)."""
+    def _next_share(self) -> PackedShare:
+        """The next share from the handoff; re-raises a rollout failure (which ended the consumer's stream)."""
+        err: BaseException | None = None
+        try:
+            return next(self._shares)
+        except StopIteration:
+            pass
+        except Exception as e:  # noqa: BLE001 - a closed plane's side effect when the rollout side failed
+            err = e
         with self._cv:
-            while True:
-                if self._error is not None:
-                    raise self._error
-                mbs = self.policy.on_trainer_ready(self._now())
-                if mbs:
-                    return mbs
-                idle = self._generating == 0 and (not self._pending or self._inflight >= self.cfg.budget)
-                if idle:
-                    raise RunInvariantError(
-                        f"deadlock: admission {self.cfg.admission.value!r} commits nothing with {self._inflight} groups in "
-                        f"flight (budget {self.cfg.budget}) and {len(self._pending)} waiting to be dispatched")
-                self._cv.wait()
+            if self._error is not None:
+                raise self._error from err
+        if err is not None:
+            raise err
+        raise RunInvariantError(f"the handoff's stream ended after {self._steps_done} of {self.cfg.total_steps} steps")
 
-    def _train_minibatch(self, mb: MiniBatch, steps: list[StepRecord],
-                         snapshots: dict[int, dict[str, torch.Tensor]]) -> None:
-        with self._cv:
-            items = [self._items.pop(t) for t in mb.traj_ids]
-        v_train = self.trainer.version
+    def _train_share(self, share: PackedShare, steps: list[StepRecord],
+                     snapshots: dict[int, dict[str, torch.Tensor]]) -> None:
+        step = len(steps)
+        if share.seq != step or self.learner.version != step:
+            raise RunInvariantError(f"share #{share.seq} ({share.key}) handed to step {step} at learner version "
+                                    f"{self.learner.version}: the seq-th share must train at version seq")
         t_start = self._now()
-        recs = [self._records[t] for t in mb.traj_ids]
+        with self._cv:
+            recs = [self._records[t] for t in share.traj_ids]
         for r in recs:
             if r.step >= 0:
-                raise RunInvariantError(f"trajectory {r.traj_id} trained twice (steps {r.step} and {len(steps)})")
-            r.v_train, r.t_train_start, r.step = v_train, t_start, len(steps)
+                raise RunInvariantError(f"trajectory {r.traj_id} trained twice (steps {r.step} and {step})")
+            r.v_train, r.t_train_start, r.step = step, t_start, step
             if self.cfg.enforce_staleness_bound and r.staleness > self.cfg.staleness_bound():
                 raise StalenessBoundError(f"trajectory {r.traj_id} has staleness {r.staleness} > bound "
                                           f"{self.cfg.staleness_bound()} ({self.cfg.system}, budget {self.cfg.budget})")
-        res = self._step_exactly_once(mb, items, len(steps))
-        steps.append(StepRecord(step=len(steps), version=res.version, batch_id=mb.batch_id, minibatch_index=mb.index,
-                                t_start=t_start, t_end=self._now(), step_s=res.step_s, tokens=res.tokens,
-                                mean_reward=sum(i.reward for i in items) / len(items),
+        res, share = self._step_exactly_once(share, step)
+        assert self._consumer is not None
+        self._consumer.ack(share)  # after the optimizer step: a crash before it gets the share again
+        steps.append(StepRecord(step=step, version=res.version, batch_id=share.key.batch_id,
+                                minibatch_index=share.key.index, t_start=t_start, t_end=self._now(),
+                                step_s=res.step_s, tokens=res.tokens,
+                                mean_reward=sum(r.reward for r in recs) / len(recs),
                                 mean_staleness=sum(r.staleness for r in recs) / len(recs), clip_frac=res.clip_frac,
                                 loss=res.loss, kl=res.kl))
         if self.cfg.eval_every and res.version % self.cfg.eval_every == 0:
-            snapshots[res.version] = self.trainer.weights()
-        if self.cfg.mode is not ExecutionMode.COLOCATED and self._sync_due(mb):
+            snapshots[res.version] = self.learner.weights()
+        if self.cfg.mode is not ExecutionMode.COLOCATED and self._sync_due(share):
             self._publish()
         with self._cv:
-            self._inflight -= len(mb.group_ids)
+            self._inflight -= len(share.group_ids)
+            self._steps_done += 1
             self._cv.notify_all()
 
-    def _step_exactly_once(self, mb: MiniBatch, items: list[TrainItem], step: int):  # noqa: ANN202 - StepResult
-        """The optimizer step of ``mb`` through the ledger. An injected crash restarts the trainer and re-delivers
-        the mini-batch (its items are kept until the step is recorded); the ledger, saved with the weights and
-        optimizer state in every step's checkpoint, skips a step that was applied before the crash."""
-        key = MiniBatchKey(mb.batch_id, mb.index)
-
-        def apply():  # noqa: ANN202
-            if self.faults.crashes_before(step) and step not in self._crashed:
-                self._crashed.add(step)
-                self.fault_log.inject("trainer_crash")
-                raise TrainerCrashedError(f"trainer crashed during step {step} ({key}), before its update")
-            return self.trainer.step(items)
-
+    def _step_exactly_once(self, share: PackedShare, step: int) -> tuple[StepResult, PackedShare]:
+        """The optimizer step of ``share`` through the ledger. An injected crash restarts the trainer rank, which
+        gets the mini-batch again from the handoff (``_redeliver``); the ledger, saved with the weights and
+        optimizer state in every step's checkpoint, skips a step that was applied before the crash. Returns the
+        step's result and the share that was finally stepped on (the one to ack)."""
         while True:
             try:
-                res, fresh = self._ledger.apply(key, apply)
+                res, fresh = self._ledger.apply(share.key, lambda s=share: self._apply(s, step))
                 if fresh and self.faults.crashes_after(step) and step not in self._crashed:
                     self._crashed.add(step)
                     self.fault_log.inject("trainer_crash")
-                    raise TrainerCrashedError(f"trainer crashed after the update of step {step} ({key})")
-                return res
+                    raise TrainerCrashedError(f"trainer crashed after the update of step {step} ({share.key})")
+                return res, share
             except TrainerCrashedError:
-                self.fault_log.recover("trainer_restart")  # restart from the checkpoint; re-deliver mb
+                self.fault_log.recover("trainer_restart")
+                share = self._redeliver(share)
 
-    def _train_loop(self, steps: list[StepRecord], snapshots: dict[int, dict[str, torch.Tensor]]) -> None:
-        while len(steps) < self.cfg.total_steps:
-            for mb in self._next_minibatches():
-                self._train_minibatch(mb, steps, snapshots)
+    def _apply(self, share: PackedShare, step: int) -> StepResult:
+        if self.faults.crashes_before(step) and step not in self._crashed:
+            self._crashed.add(step)
+            self.fault_log.inject("trainer_crash")
+            raise TrainerCrashedError(f"trainer crashed during step {step} ({share.key}), before its update")
+        return self.learner.step(share)
+
+    def _redeliver(self, share: PackedShare) -> PackedShare:
+        """Restart trainer rank 0 after a crash: its consumer goes with everything it prefetched, the controller
+        returns every share the rank claimed and did not ack (``recover_rank``), and a new consumer resumes at
+        the first mini-batch the rank has not acked -- the crashed one, which must come back unchanged."""
+        assert self.handoff is not None and self._consumer is not None
+        self._consumer.close()
+        self.handoff.wait_version(share.seq, timeout=60)  # earlier (one-way, on Ray) acks have all arrived
+        resume = self.handoff.plane.controller.recover_rank(0)
+        if resume != share.seq:
+            raise RunInvariantError(f"trainer restart resumes at mini-batch #{resume}, expected #{share.seq}")
+        self._consumer = self.handoff.consumer(0, start_seq=resume)
+        self._shares = iter(self._consumer)
+        again = self._next_share()
+        if again.key != share.key or again.traj_ids != share.traj_ids:
+            raise RunInvariantError(f"after a trainer restart the handoff delivered {again.key} {again.traj_ids}, "
+                                    f"expected {share.key} {share.traj_ids}")
+        return again
 
     def _run_colocated(self, steps: list[StepRecord], snapshots: dict[int, dict[str, torch.Tensor]]) -> None:
         c = self.cfg
-        for _ in range(c.num_batches):
+        assert self.handoff is not None
+        for b in range(c.num_batches):
             self._publish()
             self._load_newest()
             batch = [self._pending.popleft() for _ in range(c.prompts_per_batch)]
@@ -366,20 +466,18 @@ class Orchestrator:
             for i in range(0, len(batch), c.wave_groups):
                 wave = batch[i:i + c.wave_groups]
                 t_dispatch = self._now()
-                samples = self._generate(wave)
-                with self._cv:
-                    self._complete(wave, samples, t_dispatch)
-            mbs = self.policy.on_trainer_ready(self._now())
-            if len(mbs) != c.num_minibatches:
-                raise RunInvariantError(f"colocated: admission committed {len(mbs)} mini-batches for a complete "
-                                        f"batch, expected {c.num_minibatches}")
-            for mb in mbs:
-                self._train_minibatch(mb, steps, snapshots)
+                self._complete(wave, self._generate(wave), t_dispatch)
+            admitted = self.handoff.plane.controller_stats().admitted
+            if admitted != (b + 1) * c.num_minibatches:
+                raise RunInvariantError(f"colocated: admission committed {admitted - b * c.num_minibatches} "
+                                        f"mini-batches for a complete batch, expected {c.num_minibatches}")
+            for _ in range(c.num_minibatches):
+                self._train_share(self._next_share(), steps, snapshots)
 
 
 def check_run(run: RunResult) -> None:
-    """Raise ``RunInvariantError`` unless every trajectory was consumed exactly once and versions rose one per
-    step."""
+    """Raise ``RunInvariantError`` unless every trajectory was consumed exactly once, versions rose one per step,
+    and the handoff's records (``v_gen``, ``v_train``) agree with the orchestrator's own accounting."""
     c = run.config
     expected = c.num_batches * c.prompts_per_batch * c.group_size
     ids = [t.traj_id for t in run.trajectories]
@@ -388,11 +486,16 @@ def check_run(run: RunResult) -> None:
     untrained = [t.traj_id for t in run.trajectories if t.step < 0]
     if untrained:
         raise RunInvariantError(f"{len(untrained)} trajectories never trained, e.g. {untrained[:5]}")
-    per_step: dict[int, int] = {}
-    for t in run.trajectories:
-        per_step[t.step] = per_step.get(t.step, 0) + 1
-    if sum(per_step.values()) != expected:
-        raise RunInvariantError("a trajectory was trained twice")
     versions = [s.version for s in run.steps]
     if versions != list(range(1, len(run.steps) + 1)):
         raise RunInvariantError(f"versions must rise by one per step, got {versions[:10]}...")
+    handoff = {r.traj_id: r for r in run.handoff_records}
+    if len(handoff) != len(run.handoff_records) or set(handoff) != set(ids):
+        raise RunInvariantError(f"the handoff recorded {len(run.handoff_records)} trajectories "
+                                f"({len(handoff)} distinct), the orchestrator {expected}")
+    for t in run.trajectories:
+        h = handoff[t.traj_id]
+        if (h.v_gen, h.v_train, h.group_id, h.batch_id) != (t.v_gen, t.v_train, t.group_id, t.batch_id) \
+                or not h.released:
+            raise RunInvariantError(f"trajectory {t.traj_id}: the handoff recorded v_gen={h.v_gen} v_train={h.v_train} "
+                                    f"released={h.released}, the orchestrator v_gen={t.v_gen} v_train={t.v_train}")

@@ -12,8 +12,10 @@ import numpy as np
 import torch
 
 from knittrans.admission.base import AdmissionStats
+from knittrans.dataplane.controller import ControllerStats, HandoffRecord
 from knittrans.runtime.config import RuntimeConfig
 from knittrans.runtime.engine import EngineStats
+from knittrans.staleness import StalenessStats
 
 
 @dataclass
@@ -84,10 +86,19 @@ class RunResult:
 
     config: RuntimeConfig
     trajectories: list[TrajRecord]
+    """The orchestrator's own account of every trajectory (dispatch, completion, the step that consumed it)."""
     steps: list[StepRecord]
     wall_s: float
     engine: EngineStats
-    admission: AdmissionStats
+    handoff_records: list[HandoffRecord]
+    """The handoff's account of every trajectory (``v_gen`` as put, ``v_train`` = its mini-batch's admission
+    order); ``check_run`` holds it equal to ``trajectories``."""
+    staleness_stats: StalenessStats
+    """Staleness ``v_train - v_gen`` over every trajectory, from the handoff's records (``Handoff.staleness``)."""
+    controller: ControllerStats
+    """The handoff controller's counts at the end of the run (admitted, released, claims ...)."""
+    admission: AdmissionStats | None = None
+    """The admission policy's counters; None on the Ray transport, where the policy ran in the controller actor."""
     publish_s: list[float] = field(default_factory=list)
     """Trainer-side cost of each weight publication (copying the state dict)."""
     snapshots: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
@@ -102,10 +113,6 @@ class RunResult:
     def staleness(self) -> np.ndarray:
         return np.array([t.staleness for t in self.trajectories], dtype=float)
 
-    def staleness_summary(self) -> dict[str, float]:
-        s = self.staleness()
-        return {"mean": float(s.mean()), "p50": float(np.percentile(s, 50)), "p99": float(np.percentile(s, 99)),
-                "max": float(s.max())}
 
     def throughput_steps_per_s(self) -> float:
         return len(self.steps) / self.wall_s if self.wall_s > 0 else float("nan")

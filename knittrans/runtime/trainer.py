@@ -1,12 +1,17 @@
-"""The GRPO trainer: one optimizer step per mini-batch, and the policy version it defines.
+"""The GRPO trainer: one optimizer step per packed share, and the policy version it defines (a ``Learner``).
 
 - **Advantages** are group-normalized: ``A_i = (r_i - mean(r_group)) / (std(r_group) + eps)``, computed once per
-  complete group (``group_advantages``), so a mini-batch of whole groups needs nothing from other mini-batches.
+  complete group (``group_advantages``, by the orchestrator before the handoff), so a mini-batch of whole groups
+  needs nothing from other mini-batches. They travel per token in the share (``advantages``).
+- **Input**: ``step(share)`` takes this rank's ``PackedShare`` from the handoff (``knittrans.runtime.protocols``):
+  ``input_ids`` packed back to back with ``cu_seqlens``; ``old_logprobs``, ``advantages``, ``loss_mask``
+  response-length each. ``VarlenBatch.from_share`` aligns them with the ids (a sequence's prompt is its first
+  ``len(input_ids) - len(old_logprobs)`` ids); the loss reads only tokens whose ``loss_mask`` is set.
 - **Objective**: PPO-clipped surrogate with importance ratios ``exp(logp_new - logp_behavior)`` against the
   engine's per-token behavior log-probs (this is what corrects for staleness), averaged over response tokens
   (token-mean), plus an optional KL penalty to a frozen reference policy (k3 estimator).
 - **Version**: ``version`` counts optimizer steps applied (``knittrans.types``); ``step`` increments it by one.
-- **Packing**: the mini-batch's sequences go through ``triton_kernels.batched_pack``'s dispatch when that module
+- **Packing**: the share's varlen sequences go through ``triton_kernels.batched_pack``'s dispatch when that module
   imports (``pack_available()``), padded otherwise; both layouts yield the same per-token log-probs (tested).
 """
 
@@ -20,7 +25,9 @@ from typing import Sequence
 
 import torch
 
+from knittrans.dataplane.types import PackedShare
 from knittrans.runtime.engine import Sample
+from knittrans.runtime.protocols import StepResult
 
 
 class RewardError(ValueError):
@@ -46,8 +53,6 @@ class GRPOConfig:
     """PPO clip range: ratios outside [1 - eps, 1 + eps] stop contributing gradient in the improving direction."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference (initial) policy; 0 disables it and skips the reference forward."""
-    adv_eps: float = 1e-6
-    """Added to the group's reward std (a group of identical rewards gets zero advantage, not NaN)."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm."""
     packing: str = "auto"
@@ -77,23 +82,6 @@ class TrainItem:
     advantage: float
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """What one optimizer step did."""
-
-    version: int
-    """The version after this step (steps applied so far)."""
-    loss: float
-    clip_frac: float
-    """Fraction of response tokens whose ratio was clipped (a direct measure of how off-policy the data was)."""
-    mean_ratio: float
-    kl: float
-    tokens: int
-    """Response tokens in the mini-batch."""
-    step_s: float
-    """Wall time of forward + backward + optimizer step."""
-
-
 def group_advantages(samples: Sequence[Sample], rewards: Sequence[float], eps: float = 1e-6) -> list[TrainItem]:
     """Group-normalized advantages for the samples of ONE group. Raises ``RewardError`` on a NaN/inf reward."""
     if len(samples) != len(rewards) or not samples:
@@ -117,6 +105,55 @@ def pack_available() -> bool:
 
 
 @dataclass(frozen=True)
+class VarlenBatch:
+    """A share's sequences back to back (its varlen layout), with per-token training fields aligned to
+    ``ids``: behaviour log-prob, advantage and loss flag, zero/False on prompt tokens. Sequence i is
+    ``ids[cu_seqlens[i]:cu_seqlens[i + 1]]``."""
+
+    ids: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.cu_seqlens.diff()
+
+    @classmethod
+    def from_share(cls, share: PackedShare) -> "VarlenBatch":
+        """Lay out a share of the text schema: a sequence's prompt is its first ``len(input_ids) -
+        len(old_logprobs)`` ids; the response-length fields land on the ids after it, in order."""
+        for name in ("input_ids", "old_logprobs", "advantages", "loss_mask"):
+            if name not in share.fields or share.fields[name].cu_seqlens is None:
+                raise ValueError(f"GRPO step on share {share.key}: ragged field {name!r} missing (fields: "
+                                 f"{sorted(share.fields)})")
+        ids = share["input_ids"].long()
+        cu = share.fields["input_ids"].cu_seqlens.long()
+        cu_r = share.fields["old_logprobs"].cu_seqlens.long()
+        for name in ("advantages", "loss_mask"):
+            if not torch.equal(share.fields[name].cu_seqlens.long(), cu_r):
+                raise ValueError(f"share {share.key}: {name!r} and 'old_logprobs' differ in length per sequence")
+        L, R = cu.diff(), cu_r.diff()
+        if len(L) == 0:
+            raise ValueError(f"GRPO step on share {share.key}: empty share")
+        bad = torch.nonzero((R < 1) | (R >= L)).flatten()
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"share {share.key}: trajectory {share.traj_ids[i]} has {int(L[i])} ids and {int(R[i])} "
+                             f"response tokens; a sequence needs >= 1 prompt and >= 1 response token")
+        seq = torch.repeat_interleave(torch.arange(len(L)), L)
+        resp = (torch.arange(len(ids)) - cu[:-1][seq]) >= (L - R)[seq]  # response tokens, in sequence order
+        old = torch.zeros(len(ids))
+        adv = torch.zeros(len(ids))
+        mask = torch.zeros(len(ids), dtype=torch.bool)
+        old[resp] = share["old_logprobs"].float()
+        adv[resp] = share["advantages"].float()
+        mask[resp] = share["loss_mask"].bool()
+        return cls(ids, old, adv, mask, cu)
+
+
+@dataclass(frozen=True)
 class TokenBatch:
     """A mini-batch laid out for one forward: rows of tokens plus per-token training fields.
 
@@ -131,54 +168,35 @@ class TokenBatch:
     advantages: torch.Tensor
 
 
-def _token_fields(items: Sequence[TrainItem]) -> tuple[list[list[int]], list[list[float]], list[list[float]],
-                                                         list[list[bool]]]:
-    """Per sequence: token ids, behavior log-prob of each token (0 on prompt), advantage, response flag."""
-    ids, old, adv, resp = [], [], [], []
-    for it in items:
-        s = it.sample
-        P, n = len(s.prompt_ids), len(s.response_ids)
-        ids.append(list(s.prompt_ids) + list(s.response_ids))
-        old.append([0.0] * P + list(s.logprobs))
-        adv.append([0.0] * P + [it.advantage] * n)
-        resp.append([False] * P + [True] * n)
-    return ids, old, adv, resp
-
-
-def pad_batch(items: Sequence[TrainItem], pad_id: int) -> TokenBatch:
+def pad_batch(vb: VarlenBatch, pad_id: int) -> TokenBatch:
     """One right-padded row per sequence."""
-    ids, old, adv, resp = _token_fields(items)
-    width = max(len(x) for x in ids)
-    t_ids = torch.full((len(ids), width), pad_id, dtype=torch.long)
+    L = vb.lengths
+    n, width = len(L), int(L.max())
+    row = torch.repeat_interleave(torch.arange(n), L)
+    col = torch.arange(len(vb.ids)) - vb.cu_seqlens[:-1][row]
+    t_ids = torch.full((n, width), pad_id, dtype=torch.long)
     attn = torch.zeros_like(t_ids)
-    t_old = torch.zeros((len(ids), width))
-    t_adv = torch.zeros((len(ids), width))
-    t_resp = torch.zeros((len(ids), width), dtype=torch.bool)
-    for i in range(len(ids)):
-        n = len(ids[i])
-        t_ids[i, :n] = torch.tensor(ids[i])
-        attn[i, :n] = 1
-        t_old[i, :n] = torch.tensor(old[i])
-        t_adv[i, :n] = torch.tensor(adv[i])
-        t_resp[i, :n] = torch.tensor(resp[i])
+    t_old, t_adv = torch.zeros((n, width)), torch.zeros((n, width))
+    t_resp = torch.zeros((n, width), dtype=torch.bool)
+    t_ids[row, col] = vb.ids
+    attn[row, col] = 1
+    t_old[row, col] = vb.old_logprobs
+    t_adv[row, col] = vb.advantages
+    t_resp[row, col] = vb.loss_mask
     return TokenBatch(t_ids, attn, None, t_resp[:, 1:], t_old[:, 1:], t_adv[:, 1:])
 
 
-def pack_batch(items: Sequence[TrainItem], pad_id: int, row_tokens: int) -> TokenBatch:
+def pack_batch(vb: VarlenBatch, pad_id: int, row_tokens: int) -> TokenBatch:
     """Sequences packed into rows of ``row_tokens`` through ``triton_kernels.batched_pack`` (its dispatch: the
-    Triton kernel for CUDA tensors, the torch reference on CPU). A row's sequences attend only within themselves
-    (block-diagonal causal mask) and their positions restart at 0, so each sequence's log-probs equal the
-    padded layout's (tested)."""
+    Triton kernel for CUDA tensors, the torch reference on CPU), straight from the share's varlen layout. A
+    row's sequences attend only within themselves (block-diagonal causal mask) and their positions restart at
+    0, so each sequence's log-probs equal the padded layout's (tested)."""
     from triton_kernels.batched_pack import batched_pack, plan_microbatches
 
-    ids, old, adv, resp = _token_fields(items)
-    lens = [len(x) for x in ids]
-    offsets = torch.tensor([0] + lens).cumsum(0)
+    lens = vb.lengths.tolist()
     plan = plan_microbatches(lens, num_ranks=1, max_tokens_per_microbatch=max(row_tokens, max(lens)))
-    flat = lambda xs, dt: torch.tensor([v for x in xs for v in x], dtype=dt)  # noqa: E731
-    packed = batched_pack({"ids": flat(ids, torch.long), "old": flat(old, torch.float32),
-                           "adv": flat(adv, torch.float32), "resp": flat(resp, torch.bool)},
-                          offsets, plan.pack, pad_values={"ids": pad_id})
+    packed = batched_pack({"ids": vb.ids, "old": vb.old_logprobs, "adv": vb.advantages, "resp": vb.loss_mask},
+                          vb.cu_seqlens, plan.pack, pad_values={"ids": pad_id})
     f = packed.fields
     pos = packed.position_ids
     # Segment id per token: a new sequence starts wherever the position restarts at 0 (padding forms its own
@@ -189,9 +207,9 @@ def pack_batch(items: Sequence[TrainItem], pad_id: int, row_tokens: int) -> Toke
     mask = (seg[:, :, None] == seg[:, None, :]) & causal
     return TokenBatch(f["ids"], mask[:, None], pos, f["resp"][:, 1:], f["old"][:, 1:], f["adv"][:, 1:])
 
-
 class GRPOTrainer:
-    """Owns the trainable policy, its optimizer and the policy version."""
+    """Owns the trainable policy, its optimizer and the policy version (a ``knittrans.runtime.protocols.Learner``
+    for text)."""
 
     def __init__(self, model: torch.nn.Module, cfg: GRPOConfig, pad_token_id: int) -> None:
         self.model = model
@@ -209,8 +227,8 @@ class GRPOTrainer:
             raise ImportError("GRPOConfig.packing='pack' but triton_kernels.batched_pack does not import")
         self.packed = cfg.packing == "pack" or (cfg.packing == "auto" and pack_available())
 
-    def layout(self, items: Sequence[TrainItem]) -> TokenBatch:
-        return pack_batch(items, self.pad, self.cfg.row_tokens) if self.packed else pad_batch(items, self.pad)
+    def layout(self, vb: VarlenBatch) -> TokenBatch:
+        return pack_batch(vb, self.pad, self.cfg.row_tokens) if self.packed else pad_batch(vb, self.pad)
 
     @staticmethod
     def token_logprobs(model: torch.nn.Module, b: TokenBatch) -> torch.Tensor:
@@ -219,12 +237,10 @@ class GRPOTrainer:
         logits = model(input_ids=b.ids, attention_mask=b.attention_mask, **kw).logits[:, :-1].float()
         return torch.log_softmax(logits, -1).gather(-1, b.ids[:, 1:, None]).squeeze(-1)
 
-    def step(self, items: Sequence[TrainItem]) -> StepResult:
-        """One optimizer step on ``items`` (one mini-batch); increments ``version``."""
-        if not items:
-            raise ValueError("GRPOTrainer.step: empty mini-batch")
+    def step(self, share: PackedShare) -> StepResult:
+        """One optimizer step on this rank's ``share`` of a mini-batch; increments ``version``."""
         t0 = time.perf_counter()
-        b = self.layout(items)
+        b = self.layout(VarlenBatch.from_share(share))
         resp, old, adv = b.resp, b.old_logprobs, b.advantages
         new = self.token_logprobs(self.model, b)
         ratio = torch.exp((new - old).clamp(max=20.0)) * resp  # clamp: a wildly stale token must not overflow

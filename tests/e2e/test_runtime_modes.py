@@ -57,7 +57,7 @@ def test_colocated_staleness_is_the_minibatch_index(setup):
     run = run_mode(cfg, setup, make_policy=make_policy)
     by_step = {s.step: s.minibatch_index for s in run.steps}
     assert all(t.staleness == by_step[t.step] for t in run.trajectories)
-    assert run.staleness_summary()["mean"] == pytest.approx((cfg.num_minibatches - 1) / 2)
+    assert run.staleness_stats.mean == pytest.approx((cfg.num_minibatches - 1) / 2)
 
 
 def test_train_batch_consumes_only_whole_batches_and_is_staler_than_knittrans_at_min_budget(setup):
@@ -70,8 +70,8 @@ def test_train_batch_consumes_only_whole_batches_and_is_staler_than_knittrans_at
     # Each mode at its minimum budget: train-batch must hold a whole batch in flight, KnitTrans one mini-batch.
     # With one mini-batch in flight a group is dispatched only after the previous step published its weights, so
     # KnitTrans trains on-policy; train-batch's later mini-batches (and every batch after the first) are stale.
-    assert r_kt.staleness_summary()["max"] == 0
-    assert r_tb.staleness_summary()["mean"] > 0.5 and kt.staleness_bound() < tb.staleness_bound()
+    assert r_kt.staleness_stats.max == 0
+    assert r_tb.staleness_stats.mean > 0.5 and kt.staleness_bound() < tb.staleness_bound()
 
 
 def test_sync_every_batch_keeps_engine_version_at_batch_boundaries(setup):

@@ -64,6 +64,8 @@ def test_trainer_crash_redelivers_the_minibatch_and_counts_each_step_once(setup,
     run = run_mode(cfg, setup, faults=RuntimeFaultPlan(crash_steps=(1, 2), crash_after_update=after_update), make_policy=make_policy)
     _nothing_lost_nothing_twice(run, cfg)
     assert run.faults_injected == {"trainer_crash": 2} and run.faults_recovered == {"trainer_restart": 2}
+    # the crashed mini-batches came back through the data plane (claimed again after recover_rank), not a copy
+    assert run.controller.claims >= cfg.total_steps + 2 and run.controller.released_minibatches == cfg.total_steps
 
 
 def test_negative_generation_timeout_is_rejected():

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
 from knittrans.runtime.config import RuntimeConfig, RuntimeConfigError, SyncPolicy
 from knittrans.runtime.engine import GenerationError, GroupRequest, Sample, SamplingConfig
 from knittrans.runtime.hf_engine import HFRolloutEngine
-from knittrans.runtime.trainer import (GRPOConfig, GRPOTrainer, group_advantages, pack_available, pack_batch,
-                                       pad_batch)
+from knittrans.runtime.rollouts import pack_rollouts, to_rollout
+from knittrans.runtime.trainer import (GRPOConfig, GRPOTrainer, VarlenBatch, group_advantages, pack_available,
+                                       pack_batch, pad_batch)
 from workloads.arith import ArithRLTask, ArithTask, RewardError
 from workloads.tiny_models import (ModelConfigError, TinyPolicyConfig, build_char_tokenizer, build_policy,
                                    check_tokenizer_matches, encode_prompts, save_policy)
@@ -150,19 +153,19 @@ def test_non_finite_reward_is_a_clear_error(tok, model, bad):
 
 def test_first_step_is_on_policy_and_increments_version(tok, model):
     tr = GRPOTrainer(build_policy(TinyPolicyConfig(), tok, seed=0), GRPOConfig(kl_coef=0.1), tok.pad_token_id)
-    items = _items(tok, model)
-    res = tr.step(items)
+    share = pack_rollouts([to_rollout(it) for it in _items(tok, model)])
+    res = tr.step(share)
     assert res.version == tr.version == 1
     assert res.clip_frac == 0.0 and res.mean_ratio == pytest.approx(1.0, abs=1e-4)
     assert res.kl == pytest.approx(0.0, abs=1e-6)
-    res2 = tr.step(items)  # same data, moved policy: now off-policy by one step
+    res2 = tr.step(share)  # same data, moved policy: now off-policy by one step
     assert res2.version == 2 and res2.mean_ratio != pytest.approx(1.0, abs=1e-7)
 
 
 @pytest.mark.skipif(not pack_available(), reason="triton_kernels.batched_pack not importable")
 def test_packed_and_padded_layouts_give_the_same_token_logprobs(tok, model):
-    items = _items(tok, model, n_groups=4, n=3, seed=1)
-    pad, pack = pad_batch(items, tok.pad_token_id), pack_batch(items, tok.pad_token_id, row_tokens=24)
+    vb = VarlenBatch.from_share(pack_rollouts([to_rollout(it) for it in _items(tok, model, n_groups=4, n=3, seed=1)]))
+    pad, pack = pad_batch(vb, tok.pad_token_id), pack_batch(vb, tok.pad_token_id, row_tokens=24)
     assert pack.ids.shape[0] < pad.ids.shape[0]  # packing really put several sequences in a row
     with torch.no_grad():
         lp_pad = GRPOTrainer.token_logprobs(model, pad)[pad.resp]
@@ -170,6 +173,30 @@ def test_packed_and_padded_layouts_give_the_same_token_logprobs(tok, model):
     # same multiset of response-token log-probs (row order differs), to float tolerance
     assert torch.allclose(lp_pad.sort().values, lp_pack.sort().values, atol=1e-5)
     assert torch.allclose(pad.old_logprobs[pad.resp].sort().values, pack.old_logprobs[pack.resp].sort().values)
+
+
+def test_share_fields_land_on_response_tokens_after_a_prompt_of_len_ids_minus_len_logprobs(tok, model):
+    items = _items(tok, model, n_groups=2, n=2)
+    vb = VarlenBatch.from_share(pack_rollouts([to_rollout(it) for it in items]))
+    for i, it in enumerate(items):
+        s = it.sample
+        a, b = int(vb.cu_seqlens[i]), int(vb.cu_seqlens[i + 1])
+        P = len(s.prompt_ids)
+        assert vb.ids[a:b].tolist() == list(s.prompt_ids + s.response_ids)
+        assert vb.loss_mask[a:b].tolist() == [False] * P + [True] * len(s.response_ids)
+        assert vb.old_logprobs[a + P:b].tolist() == pytest.approx(list(s.logprobs))
+        assert vb.advantages[a:b].tolist() == pytest.approx([0.0] * P + [it.advantage] * len(s.response_ids))
+        assert vb.old_logprobs[a:a + P].abs().sum() == 0
+
+
+def test_loss_mask_excludes_tokens_from_the_step():
+    tok_ids = [1, 3, 4, 5, 2]
+    s = Sample(0, 0, 0, (1, 3), (4, 5, 2), (-1.0, -1.0, -1.0), 0, 0.0, 0.0)
+    r = to_rollout(group_advantages([s], [1.0])[0])
+    masked = type(r)(r.traj, {**r.tensors, "loss_mask": np.array([True, False, False])})
+    vb = VarlenBatch.from_share(pack_rollouts([masked]))
+    assert vb.ids.tolist() == tok_ids and vb.loss_mask.tolist() == [False, False, True, False, False]
+    assert pad_batch(vb, 0).resp.sum() == 1
 
 
 # -- config -------------------------------------------------------------------------------------------------------
