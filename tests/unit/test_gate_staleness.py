@@ -49,7 +49,15 @@ def test_a_missed_wakeup_in_knittrans_fails_the_throughput_ratio(monkeypatch):
     assert v.status is Status.FAILS and v.measured.value < 0.99
 
 
-def test_a_feasibility_check_that_always_says_feasible_fails_no_dead_ends(monkeypatch):
+def test_admission_without_its_look_ahead_fails_no_dead_ends(monkeypatch):
+    """KnitTrans fills each mini-batch first-fit from the ready groups without proving the rest splittable (its
+    feasibility check removed): the variable-group scenario then walks into a batch it cannot finish."""
+
+    def careless(self, b, search, r, u, k, rest):
+        return minibatch._first_fit_to(list(b.ready_units.values()), self.constraints.minibatch_size,
+                                       self.constraints)
+
+    monkeypatch.setattr(minibatch.KnitTransAdmission, "_by_sizes", careless)
     monkeypatch.setattr(minibatch, "solve", lambda *a, **k: Solution(Verdict.FEASIBLE, exact=True))
     v = _gate()["knittrans_violations"]
     assert v.status is Status.FAILS and v.measured.value >= 1
