@@ -210,7 +210,7 @@ def run_handoff_grpo(setup: VLMSetup, cfg: HandoffLoopConfig, policy=None) -> Ha
                 for g in gids:
                     group = [s for s in out if s.group_id == g]
                     rs = [setup.task.reward(prompts[g], s.response_ids) for s in group]
-                    for item in group_advantages(group, rs, setup.grpo.adv_eps):
+                    for item in group_advantages(group, rs):
                         samples[item.sample.traj_id] = item.sample
                         rewards[item.sample.traj_id] = item.reward
                         rollouts.append(mm_rollout(item, prompts[g].images, prompts[g].grids))

@@ -140,7 +140,7 @@ class Prefetcher:
         self.start()
         if self._finished:
             raise StopIteration
-        item = self._q.get(timeout=timeout)
+        item = self._get(timeout)
         if isinstance(item, _End):
             self._finished = True
             raise StopIteration
@@ -150,6 +150,22 @@ class Prefetcher:
         share, seq, t_wait, t_ready, fetch_s = item
         self.events.append(PrefetchEvent(seq, t_wait, t_ready, time.perf_counter(), fetch_s))
         return share
+
+    def _get(self, timeout: float | None) -> object:
+        # Sliced so that a close() from another thread (which drains the queue and stops the worker before it
+        # can enqueue its end marker) ends this wait too instead of leaving the trainer blocked for ever.
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        while True:
+            if self._stop.is_set() and self._q.empty():
+                self._finished = True
+                raise StopIteration
+            left = _WAKE_S if deadline is None else min(_WAKE_S, deadline - time.perf_counter())
+            if left <= 0:
+                raise queue.Empty
+            try:
+                return self._q.get(timeout=left)
+            except queue.Empty:
+                continue
 
     def __iter__(self) -> Iterator[PackedShare]:
         while True:

@@ -194,3 +194,17 @@ def test_a_consumer_with_a_count_stops_there_and_the_next_one_resumes_without_lo
     assert [s.seq for s in second] == list(range(M, 2 * M))
     with pytest.raises(ValueError, match="count"):
         h.consumer(count=-1)
+
+
+def test_close_from_another_thread_ends_a_consumer_that_is_waiting_for_a_minibatch():
+    # A rollout thread that fails closes the handoff; the trainer blocked on its next share must wake (the
+    # prefetch worker is stopped before it can enqueue its end marker), not wait for ever.
+    h = Handoff(HandoffConfig.grpo(2, 2, 1, 8))
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(list(h.consumer(0))), daemon=True)
+    t.start()
+    t.join(timeout=0.3)
+    assert t.is_alive()  # nothing admitted yet: it waits
+    h.close()
+    t.join(timeout=5.0)
+    assert not t.is_alive() and got == [[]]
