@@ -50,17 +50,17 @@ class MMQuality:
 
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """One paired comparison per seed (each its own warm start)."""
-    num_batches: int = 12
+    num_batches: int = 20
     """Training batches per run (steps = num_batches * num_minibatches)."""
-    prompts_per_batch: int = 8
+    prompts_per_batch: int = 16
     """P: prompts (images) per batch."""
     group_size: int = 8
     """n: samples per prompt (each image recurs n times in a batch)."""
-    num_minibatches: int = 4
-    """M: optimizer steps per batch."""
-    lr: float = 3e-4
+    num_minibatches: int = 8
+    """M: optimizer steps per batch (2 groups each: train-batch's staleness ~M, KnitTrans's ~1)."""
+    lr: float = 1e-3
     """Adam learning rate (clip and KL: the table's ``clip_eps`` and ``kl_coef``)."""
-    warm_max_steps: int = 200
+    warm_max_steps: int = 300
     """Most supervised warm-start steps (``MMWarmStartConfig.max_steps``)."""
     warm_target: float = 0.5
     """The warm start stops at this evaluation accuracy (``MMWarmStartConfig.target_accuracy``)."""
