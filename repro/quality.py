@@ -13,7 +13,7 @@ raw steps/s ratio to train-batch's (same pass) is >= ``match_target``. The main 
 actually got (``quality_throughput_match``) beside the claim.
 
 Run: ``python -m repro.quality`` (defaults in repro/conf/quality.yaml; a smoke run: ``seeds=[0,1] num_batches=4
-prompts_per_batch=8 match_batches=2 match_passes=1 warm_steps=10 eval_every=4 heldout=32 logger=none``).
+prompts_per_batch=8 num_minibatches=4 match_batches=2 match_passes=1 warm_steps=10 eval_every=4 heldout=32``).
 
 ``python -m repro.quality workload=multimodal`` (settings under ``mm.``, results in ``mm.out_dir``, table
 ``quality-multimodal``): the tiny Qwen2-VL on the counting task (``workloads.vlm_session``), GRPO through the same
@@ -153,6 +153,8 @@ def candidates(cfg: QualityConfig) -> list[int]:
     if cfg.match_budgets:
         return sorted(cfg.match_budgets)
     g, P = cfg.prompts_per_batch // cfg.num_minibatches, cfg.prompts_per_batch
+    if g < 1 or P % cfg.num_minibatches:  # g = 0 would double forever
+        raise ValueError(f"prompts_per_batch={P} must be a positive multiple of num_minibatches={cfg.num_minibatches}")
     out, b = [], g
     while b < P:
         out.append(b)
@@ -303,15 +305,13 @@ def run_mm_table(cfg: QualityConfig):  # noqa: ANN201 - a repro.results.Results
     m, t_start = cfg.mm, time.perf_counter()
     results = Results(table="quality-multimodal", out_dir=m.out_dir)
     grpo = GRPOConfig(lr=m.lr, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef)
-    rows: list[MMQualityRun] = []
-    curves: list[Curve] = []
+    rows, curves = [], []  # MMQualityRun, Curve
     with tqdm(total=len(m.seeds) * len(MM_ARMS), desc="multimodal quality runs", unit="run") as bar:
         for seed in m.seeds:
             setup = vlm_setup(seed, warm=MMWarmStartConfig(max_steps=m.warm_max_steps, target_accuracy=m.warm_target),
                               grpo=grpo)
             r, c = mm_seed(cfg, setup, setup.task.heldout(m.heldout), bar)
-            rows += r
-            curves += c
+            rows, curves = rows + r, curves + c
     results.set_trials(rows)
     results.rows = [r.as_dict() for r in rows]
     plot(curves, results, MM_ARMS)

@@ -63,3 +63,10 @@ def test_multimodal_quality_run_logs_rows_without_verdicts_and_the_encoder_once_
     assert claims and all(c["table"] == "quality-multimodal" and c["status"] == "info" for c in claims)
     colo = next(c for c in claims if c["name"] == "mmquality_staleness_colocated")
     assert colo["measured"] == 0.5  # (M - 1) / 2
+
+
+def test_a_batch_smaller_than_its_mini_batch_count_is_refused_not_looped_forever():
+    import pytest
+
+    with pytest.raises(ValueError, match="positive multiple of num_minibatches=16"):
+        candidates(QualityConfig(prompts_per_batch=8, num_minibatches=16))
