@@ -144,7 +144,8 @@ def _profile_note(rows: Sequence[Trial], op: KernelOp, profile: KernelOp, output
     whole = {r.pass_index: r for r in _largest(rows, op, "cpu", outputs)}
     if not prof or not whole:
         return ""
-    part = {KernelOp.HASH_BLOCK_SUMS: "its block sums alone (the int8 GEMM, torch._int_mm)",
+    part = {KernelOp.HASH_BLOCK_SUMS: "its block sums alone (the exact GEMM: torch._int_mm on an int8 dot-product "
+                                      "CPU, chunked fp32 otherwise)",
             KernelOp.PACK_COPIES: "its copies alone (the concatenations, pieces prebuilt)"}[profile]
     share = _median([p.op_s(clock) / whole[p.pass_index].op_s(clock) for p in prof if p.pass_index in whole])
     return (f"profile, same passes: {part} run at {_median([p.fraction_of_memcpy(clock) for p in prof]):.2f} of "
@@ -242,7 +243,7 @@ _FRACTION = ("memcpy seconds / op seconds, the memcpy timed right before the op 
              "process CPU time, one thread; decided on the median over interleaved passes at the run's largest size "
              "(default: ")
 _CPU = "CPU torch path vs a memcpy of the same bytes on the same machine, interleaved in one process, one thread"
-HASH_WHY = ("the int8 GEMM (16 multiply-adds per input byte, oneDNN) bounds the hash on this CPU: the claim can "
+HASH_WHY = ("the block-sum GEMM (16 multiply-adds per input byte) bounds the hash on this CPU: the claim can "
             "reach at most the GEMM's own fraction")
 PACK_WHY = ("the pack copies each output piece by piece (one piece per sequence or pad run, sources "
             "scattered by the plan: ~640 per output at 1M tokens), and piecewise the same bytes move at well under a "
