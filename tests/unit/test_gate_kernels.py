@@ -190,7 +190,7 @@ def test_hash_claim_flips_and_its_note_gives_the_profile_reason_when_short():
     c = CLAIMS["hash_reference_fraction_of_memcpy"]
     assert c.evaluate(_timed(KernelOp.HASH, [0.3, 0.3, 0.3])).status is Status.HOLDS
     v = c.evaluate(_timed(KernelOp.HASH, [0.2, 0.2, 0.2]) + _timed(KernelOp.HASH_BLOCK_SUMS, [0.22, 0.22, 0.22]))
-    assert v.status is Status.FAILS and "int8 GEMM" in v.measured.note and "short of 0.25" in v.measured.note
+    assert v.status is Status.FAILS and "block-sum GEMM" in v.measured.note and "short of 0.25" in v.measured.note
 
 
 def test_gpu_claims_are_not_measured_without_gpu_rows_and_decided_with_them():
