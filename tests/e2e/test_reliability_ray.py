@@ -14,7 +14,8 @@ from knittrans.dataplane.faults import (CorruptGet, CorruptPut, FaultPlan, Produ
 from knittrans.dataplane.ray_transport import build_ray  # noqa: E402
 from knittrans.dataplane.types import CorruptPayloadError, DataLostError, UnitLostError  # noqa: E402
 from knittrans.types import MiniBatch  # noqa: E402
-from repro.reliability import ReliabilityConf, _units_empty, load_ray  # noqa: E402
+from workloads.reliability_faults import units_empty  # noqa: E402
+from workloads.reliability_load import LoadConfig, load_ray  # noqa: E402
 from workloads.text_data import TEXT_SCHEMA, TextDataConfig, make_text_batch  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -90,7 +91,7 @@ def test_lost_unit_on_ray_is_reput_and_never_yields_a_partial_share(ray_local):
             got += share.traj_ids
             for t, arr in _rows(share, "input_ids").items():
                 np.testing.assert_array_equal(arr, by_id[t].input_ids)
-        assert _units_empty(dp)
+        assert units_empty(dp)
         assert dp.controller_stats().released_minibatches == 1
     finally:
         dp.close()
@@ -116,6 +117,6 @@ def test_a_dead_unit_actor_reads_as_a_lost_unit(ray_local):
 
 
 def test_small_concurrent_load_on_ray_is_exact_and_frees_storage(ray_local):
-    res = load_ray(ReliabilityConf(load_trajectories=3000, load_minibatch=250, window=2))
+    res = load_ray(LoadConfig(load_trajectories=3000, load_minibatch=250, window=2))
     assert res.lost == 0 and res.duplicated == 0 and res.delivered == 3000
     assert res.final_unit_bytes == 0 and res.peak_unit_trajectories <= res.bound_trajectories

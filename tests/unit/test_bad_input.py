@@ -1,4 +1,4 @@
-"""The bad-input catalogue (``repro.reliability``): every kind of malformed input raises its typed error with a
+"""The bad-input catalogue (``workloads.reliability_catalogue``): every kind of malformed input raises its typed error with a
 message naming the problem, and nothing already stored is lost. The same catalogue feeds the reliability table;
 ``covered_by`` points at the tests that go deeper (schema checks, the admission ledger, images, constraints)."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from repro.reliability import CATALOGUE_NAMES, _catalogue, try_case
+from workloads.reliability_catalogue import CATALOGUE_NAMES, catalogue, try_case
 
-CASES = _catalogue()
+CASES = catalogue()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
