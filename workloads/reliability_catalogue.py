@@ -192,7 +192,7 @@ def catalogue() -> list[BadInputCase]:
         BadInputCase("duplicate_id_admission", "trajectory", AdmissionError, r"duplicate trajectory id 0",
                      _admission_case(lambda: T(0, group_id=1, batch_id=0, num_tokens=3, v_gen=0)), adm_tests),
         BadInputCase("duplicate_id_dataplane", "trajectory", DuplicatePutError, r"field 'input_ids' of trajectory 0 "
-                     r"was already written", _dp_case(lambda g: [g[0]]),
+                     r"was already written with different content", _dp_case(lambda g: _payload(0, g[1].tensors)),
                      "tests/unit/test_dataplane.py::test_duplicate_put_is_rejected_and_the_original_survives"),
         BadInputCase("group_beyond_declared_size", "trajectory", AdmissionError, r"group 0 already has its declared 2 "
                      r"trajectories", _admission_case(lambda: T(92, group_id=0, batch_id=0, num_tokens=3, v_gen=0)),

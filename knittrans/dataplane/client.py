@@ -31,7 +31,7 @@ from typing import Mapping, Protocol, Sequence
 import numpy as np
 
 from knittrans.dataplane.types import (AdmittedMiniBatch, DataPlaneError, MiniBatchKey, PackedField,
-                                       PackedShare, PutRecord, SchemaMismatchError, ShareLocation,
+                                       PackedShare, PutRecord, SchemaMismatchError, ShareLocation, ShareTooLargeError,
                                        TrajectoryPayload, TrajectorySchema, UnitChunk, UnitLostError)
 from knittrans.types import MiniBatch
 
@@ -49,6 +49,7 @@ class ControllerAPI(Protocol):
     # faults and recovery (knittrans.dataplane.faults, docs/reliability.md)
     def lose_unit(self, unit_id: str) -> tuple[int, ...]: ...
     def missing(self) -> tuple[int, ...]: ...
+    def discard(self, traj_ids: Sequence[int]) -> tuple[tuple[str, tuple[int, ...]], ...]: ...
     def unreleased(self, traj_ids: Sequence[int]) -> tuple[int, ...]: ...
     def unclaim(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> None: ...
     def recover_rank(self, rank: int) -> int: ...
@@ -88,6 +89,18 @@ class FetchTiming:
     pack_s: float
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def cu_seqlens_int32(offs: np.ndarray, name: str, loc: ShareLocation) -> np.ndarray:
+    """Row offsets as int32 (the varlen kernels' ``cu_seqlens`` dtype); a share past 2^31 - 1 rows raises
+    ``ShareTooLargeError`` instead of wrapping to negative offsets (which would silently mix sequences)."""
+    if offs.size and int(offs[-1]) > _INT32_MAX:
+        raise ShareTooLargeError(f"share {loc.key} rank {loc.rank}: field {name!r} has {int(offs[-1])} rows, past "
+                                 f"int32 cu_seqlens ({_INT32_MAX}); split the mini-batch across more ranks")
+    return offs.astype(np.int32)
+
+
 def pack_share(loc: ShareLocation, chunks: Sequence[UnitChunk], schema: TrajectorySchema,
                prepare: PrepareConfig = PrepareConfig()) -> PackedShare:
     """Assemble the units' packed chunks into one tensor per field, in the share's trajectory order. A share
@@ -122,7 +135,7 @@ def pack_share(loc: ShareLocation, chunks: Sequence[UnitChunk], schema: Trajecto
             values = np.concatenate(cols) if cols else np.zeros((0, *spec.tail), dtype=spec.dtype)
             offs = np.zeros(len(cols) + 1, dtype=np.int64)
             np.cumsum([c.shape[0] for c in cols], out=offs[1:])
-        cu = torch.from_numpy(offs.astype(np.int32)) if spec.ragged else None
+        cu = torch.from_numpy(cu_seqlens_int32(offs, name, loc)) if spec.ragged else None
         if name == schema.token_field:
             tokens = int(values.shape[0])
         tensor = torch.from_numpy(values)
@@ -175,10 +188,20 @@ class DataPlaneClient:
             # The unit accepted fields the controller refuses (e.g. the trajectory lives on another unit):
             # take back exactly what this call added, so nothing stale stays behind.
             for r in records:
-                self.units[unit_id].drop([r.traj_id], [f.name for f in r.fields])
+                added = [f.name for f in r.fields if f.name not in r.repeated]
+                if added:
+                    self.units[unit_id].drop([r.traj_id], added)
             raise
         if skipped:  # re-puts of lost trajectories that were consumed meanwhile: not needed
             self.units[unit_id].drop(skipped)
+
+    def discard(self, traj_ids: Sequence[int]) -> None:
+        """Forget orphaned trajectories of a producer that died mid-group (never admitted, never completed):
+        the controller forgets them and their units drop their fields, so the ids may be regenerated and put
+        again (``Controller.discard``)."""
+        for unit_id, ts in self.controller.discard(traj_ids):
+            if unit_id in self.units:
+                self.units[unit_id].drop(ts)
 
     # -- admission -------------------------------------------------------------------------------------------
 
@@ -231,7 +254,11 @@ class DataPlaneClient:
                 self.controller.lose_unit(e.unit_id)  # whoever sees a unit die reports it (idempotent)
             self.controller.unclaim(loc.key, loc.rank, loc.fields)
             raise
-        share = self._pack(loc, chunks)
+        try:
+            share = self._pack(loc, chunks)
+        except DataPlaneError:
+            self.controller.unclaim(loc.key, loc.rank, loc.fields)
+            raise
         t3 = time.perf_counter()
         self.last_timing = FetchTiming(t1 - t0, t2 - t1, t3 - t2)
         if ack:

@@ -29,6 +29,7 @@ is never handed out partially. A re-put (to any live unit) restores it. ``unclai
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -141,6 +142,7 @@ class Controller:
         self._released = 0
         self._missing: set[int] = set()
         self._units_lost = 0
+        self._discarded = 0
         self._closed = False
         self._cv = threading.Condition()
 
@@ -156,6 +158,7 @@ class Controller:
         restores it on the new unit. Returns the ids it did not need: re-puts of trajectories that were
         consumed in the meantime (the caller drops them from the unit)."""
         with self._cv:
+            records = self._strip_repeats_locked(records)
             seen: set[tuple[int, str]] = set()
             skip = {r.traj_id for r in records if r.traj_id in self._trajs and self._consumed_since_loss(r.traj_id)}
             for r in records:
@@ -205,6 +208,25 @@ class Controller:
             if records:
                 self._cv.notify_all()  # a re-put may complete a share that claim_next waits for
             return tuple(sorted(skip))
+
+    def _strip_repeats_locked(self, records: Sequence[PutRecord]) -> list[PutRecord]:
+        """Idempotent puts: drop what a retried put repeats (fields its unit already held with identical bytes and
+        this controller registered, and the same completing metadata) so a retry whose first reply was lost is a
+        no-op. Fields the unit held but the controller never registered (the first register call was lost) stay."""
+        out = []
+        for r in records:
+            st = self._trajs.get(r.traj_id)
+            if st is None or st.unit_id != r.unit_id:
+                out.append(r)
+                continue
+            rep = {fm.name for fm in r.fields if fm.name in r.repeated and st.fields.get(fm.name) == fm.nbytes}
+            same_meta = r.meta is not None and st.meta == r.meta
+            if rep or same_meta:
+                r = dataclasses.replace(r, fields=tuple(fm for fm in r.fields if fm.name not in rep),
+                                        meta=None if same_meta else r.meta)
+            if r.fields or r.meta is not None:
+                out.append(r)
+        return out
 
     # -- admission (with a policy) ---------------------------------------------------------------------------
 
@@ -485,6 +507,37 @@ class Controller:
             self._missing.update(lost)
             self._cv.notify_all()
             return tuple(lost)
+
+    def discard(self, traj_ids: Sequence[int]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """Forget orphaned trajectories (their producer died mid-group; nothing will complete them): metadata
+        gone, so the same ids may be regenerated and put again. Returns ``(unit_id, traj_ids)`` pairs the units
+        must drop. All or nothing: a trajectory already admitted (it will be trained) or already handed to the
+        admission policy (completed) raises ``AdmissionStateError``; unknown ids are ignored (idempotent)."""
+        with self._cv:
+            ids = list(dict.fromkeys(traj_ids))
+            for t in ids:
+                if not isinstance(t, int) or isinstance(t, bool):
+                    raise AdmissionStateError(f"discard: trajectory ids are ints, got {t!r}")
+                st = self._trajs.get(t)
+                if st is None:
+                    continue
+                if st.admitted_in is not None:
+                    raise AdmissionStateError(f"discard: trajectory {t} is admitted in {st.admitted_in} and will be "
+                                              f"trained; only orphans (never admitted) can be discarded")
+                if st.meta is not None and self.policy is not None:
+                    raise AdmissionStateError(f"discard: trajectory {t} completed and was handed to the admission "
+                                              f"policy; only orphans (no completing put) can be discarded")
+            by_unit: dict[str, list[int]] = {}
+            for t in ids:
+                st = self._trajs.pop(t, None)
+                if st is None:
+                    continue
+                self._missing.discard(t)
+                self._discarded += 1
+                if st.unit_id is not None:
+                    by_unit.setdefault(st.unit_id, []).append(t)
+            self._cv.notify_all()
+            return tuple((u, tuple(ts)) for u, ts in sorted(by_unit.items()))
 
     def missing(self) -> tuple[int, ...]:
         """Trajectories lost with a unit and not re-put yet (what producers must re-put)."""

@@ -234,7 +234,7 @@ class ProducerBuffer:
     def put(self, payloads: Sequence[TrajectoryPayload]) -> str:
         """Put to the first live unit; returns the unit that took them. ``UnitLostError`` only if all are lost."""
         for p in payloads:
-            self.kept[p.traj_id] = p
+            self.kept[p.traj_id] = _merged(self.kept.get(p.traj_id), p)
         return self._put_somewhere(list(payloads))
 
     def _put_somewhere(self, payloads: list[TrajectoryPayload]) -> str:
@@ -262,6 +262,17 @@ class ProducerBuffer:
             still = set(self.client.controller.unreleased(tuple(self.kept)))
             self.kept = {t: p for t, p in self.kept.items() if t in still}
         return len(self.kept)
+
+
+def _merged(old: TrajectoryPayload | None, new: TrajectoryPayload) -> TrajectoryPayload:
+    """Everything a producer put for one trajectory, field by field (a re-put after a unit loss must carry every
+    field, not only the last put's). Checksums and metadata merge the same way."""
+    if old is None:
+        return new
+    sums = None if old.checksums is None and new.checksums is None else {**(old.checksums or {}),
+                                                                         **(new.checksums or {})}
+    return replace(old, tensors={**old.tensors, **new.tensors}, checksums=sums,
+                   meta=new.meta if new.meta is not None else old.meta)
 
 
 R = TypeVar("R")

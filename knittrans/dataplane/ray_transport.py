@@ -160,6 +160,9 @@ class ControllerActor:
     def missing(self) -> tuple[int, ...]:
         return self.ctrl.missing()
 
+    def discard(self, traj_ids: Sequence[int]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        return self.ctrl.discard(traj_ids)
+
     def unreleased(self, traj_ids: Sequence[int]) -> tuple[int, ...]:
         return self.ctrl.unreleased(traj_ids)
 
@@ -211,9 +214,10 @@ class RayControllerProxy:
         return _call(self.actor.claim_next.remote(seq, rank, tuple(fields), timeout))
 
     def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        # Fire and forget: the controller actor drops released trajectories at their units itself; an ack
-        # follows its own claim from this client, so it cannot be rejected.
-        self.actor.ack.remote(key, rank, tuple(fields))
+        # Waited for (one round trip per mini-batch): a fire-and-forget ack that failed (a zombie rank's claim
+        # fenced off, a controller restart) would never release the mini-batch and leave producers waiting in
+        # wait_released for ever. The controller actor still drops released trajectories at their units itself.
+        _call(self.actor.ack.remote(key, rank, tuple(fields)))
         return ()
 
     def lose_unit(self, unit_id: str) -> tuple[int, ...]:
@@ -221,6 +225,9 @@ class RayControllerProxy:
 
     def missing(self) -> tuple[int, ...]:
         return _call(self.actor.missing.remote())
+
+    def discard(self, traj_ids: Sequence[int]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        return _call(self.actor.discard.remote(tuple(traj_ids)))
 
     def unreleased(self, traj_ids: Sequence[int]) -> tuple[int, ...]:
         return _call(self.actor.unreleased.remote(tuple(traj_ids)))

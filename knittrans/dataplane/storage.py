@@ -6,8 +6,10 @@ to overwrite a field (so a duplicate put can never corrupt a delivered tensor), 
 holds, and forgets trajectories the controller says are fully consumed. All metadata decisions are the
 controller's.
 
-Thread-safe: producers and fetching ranks call it concurrently (a lock guards the index; tensors are immutable
-once stored).
+Thread-safe: producers and fetching ranks call it concurrently (a lock guards the index; tensors are copied on
+put and read-only once stored, so neither the producer nor a reader can change stored bytes). Puts are
+idempotent: a retried put of identical bytes is a no-op (its records are returned again so the controller can
+register them if the first reply was lost); different bytes under a written field raise ``DuplicatePutError``.
 """
 
 from __future__ import annotations
@@ -75,23 +77,43 @@ class StorageUnit:
         checked = [validate_payload(self.schema, p) for p in payloads]
         seen: set[tuple[int, str]] = set()
         with self._lock:
+            fresh: list[dict[str, np.ndarray]] = []
             for p, arrs in zip(payloads, checked):
                 held = self._data.get(p.traj_id, {})
-                for name in arrs:
-                    if name in held or (p.traj_id, name) in seen:
+                new = {}
+                for name, arr in arrs.items():
+                    if (p.traj_id, name) in seen:
                         raise DuplicatePutError(f"unit {self.unit_id}: field {name!r} of trajectory {p.traj_id} "
-                                                f"was already written (each field is produced exactly once)")
+                                                f"appears twice in one put")
                     seen.add((p.traj_id, name))
+                    if name in held:
+                        # A retried put (its reply was lost) is a no-op when it carries the same bytes; different
+                        # bytes under the same id are a real duplicate (each field is produced exactly once).
+                        if held[name].shape == arr.shape and np.array_equal(held[name], arr, equal_nan=True):
+                            continue
+                        raise DuplicatePutError(f"unit {self.unit_id}: field {name!r} of trajectory {p.traj_id} "
+                                                f"was already written with different content (each field is "
+                                                f"produced exactly once; an identical retry is a no-op)")
+                    new[name] = arr
+                fresh.append(new)
             records = []
-            for p, arrs in zip(payloads, checked):
-                self._data.setdefault(p.traj_id, {}).update(arrs)
+            for p, arrs, new in zip(payloads, checked, fresh):
+                # Copy on put: a producer that reuses or edits its buffer after put() cannot change stored bytes
+                # (one copy per field; the stored copy is read-only, so no reader can edit it in place either).
+                stored = {}
+                for name, arr in new.items():
+                    own = np.array(arr, copy=True, order="C")
+                    own.flags.writeable = False
+                    stored[name] = own
+                self._data.setdefault(p.traj_id, {}).update(stored)
                 tok = arrs.get(self.schema.token_field)
                 sums = p.checksums or {}
                 records.append(PutRecord(
                     traj_id=p.traj_id, unit_id=self.unit_id,
                     fields=tuple(FieldMeta(n, int(a.nbytes), int(a.shape[0]) if a.ndim else 1, sums.get(n))
                                  for n, a in arrs.items()),
-                    num_tokens=None if tok is None else int(tok.shape[0]), meta=p.meta))
+                    num_tokens=None if tok is None else int(tok.shape[0]), meta=p.meta,
+                    repeated=tuple(n for n in arrs if n not in new)))
         return records
 
     def get(self, traj_ids: Sequence[int], fields: Sequence[str]) -> UnitChunk:

@@ -80,6 +80,10 @@ class CorruptPayloadError(DataPlaneError):
     the message names the trajectory and the field, and nothing stored or claimed was changed."""
 
 
+class ShareTooLargeError(DataPlaneError):
+    """A share whose packed rows overflow the int32 ``cu_seqlens`` of the varlen kernels."""
+
+
 class DataPlaneClosedError(RuntimeError):
     """The data plane was closed while a caller waited on it."""
 
@@ -205,6 +209,9 @@ class PutRecord:
     fields: tuple[FieldMeta, ...]
     num_tokens: int | None  # length of the token field, if this put carried it
     meta: Trajectory | None = None  # the payload's admission metadata, forwarded to the controller
+    repeated: tuple[str, ...] = ()
+    """Fields the unit already held with identical bytes (a retried put): the controller registers them only if
+    the first reply was lost, and a rollback never drops them (they belong to the first put)."""
 
 
 @dataclass(frozen=True, slots=True, order=True)

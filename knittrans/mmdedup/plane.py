@@ -303,10 +303,12 @@ class MMClient(DataPlaneClient):
             values = list(ch.values)
             values[f] = values[f] + offset
             shifted.append(replace(ch, values=tuple(values)))
-            with warnings.catch_warnings():  # object-store views are read-only; the trainer never writes pixels
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 for a in ch.pixels:
-                    x = torch.from_numpy(a)
+                    # a private copy: in process ``a`` is the unit's stored tensor, on Ray a shared object-store
+                    # view; either way a consumer's in-place edit must not reach what the next mini-batch reads
+                    x = torch.from_numpy(np.array(a, copy=True))
                     pixels.append(x.view(torch.bfloat16) if ch.pixel_dtype == "bfloat16" else x)
             grids += ch.grids
             occ_bytes += ch.occurrence_nbytes
