@@ -158,7 +158,7 @@ def catalogue() -> list[BadInputCase]:
         dp.client().admit(mb)
         return Case(lambda: dp.client().fetch(mb, 0), lambda: dp.client().fetch(mb, 0))
 
-    return [
+    return _issue13_cases() + [
         BadInputCase("wrong_dtype", "trajectory", SchemaMismatchError, r"trajectory 50: field 'old_logprobs' has dtype "
                      r"float64", _dp_case(lambda g: _payload(50, _tensors(g, old_logprobs=g[0].tensors[
                          "old_logprobs"].astype(np.float64)))), dp_tests),
@@ -221,7 +221,93 @@ def catalogue() -> list[BadInputCase]:
     ]
 
 
-CATALOGUE_NAMES = ("trajectory", "image", "constraints", "transport")
+def _fetch_case(bad):
+    """A plane with one admitted mini-batch of every trajectory; ``bad(client, mb)`` is the malformed call, and
+    afterwards both ranks' shares are still whole and byte-exact (nothing claimed by the rejected call)."""
+    def setup() -> Case:
+        from knittrans.types import MiniBatch
+
+        dp, good, _ = _text_plane()
+        mb = MiniBatch(99, 0, tuple(range(len(good))), (0,), 0)
+        dp.client().admit(mb)
+
+        def after() -> None:
+            got = {}
+            for r in (0,):
+                share = dp.client().fetch(mb, r)
+                f = share.fields["input_ids"]
+                for i, t in enumerate(share.traj_ids):
+                    got[t] = f.values[f.cu_seqlens[i]:f.cu_seqlens[i + 1]].numpy()
+            if sorted(got) != list(range(len(good))) or any(not np.array_equal(got[p.traj_id], p.tensors[
+                    "input_ids"]) for p in good):
+                raise AssertionError("the admitted mini-batch changed after a rejected fetch")
+        return Case(lambda: bad(dp.client(), mb), after)
+    return setup
+
+
+def _discard_admitted() -> Case:
+    from knittrans.types import MiniBatch
+
+    dp, good, _ = _text_plane()
+    mb = MiniBatch(99, 0, tuple(range(len(good))), (0,), 0)
+    dp.client().admit(mb)
+
+    def after() -> None:
+        if len(dp.client().fetch(mb, 0).traj_ids) != len(good):
+            raise AssertionError("discard changed an admitted mini-batch")
+    return Case(lambda: dp.client().discard([0]), after)
+
+
+def _issue13_cases() -> list[BadInputCase]:
+    """Inputs the issue-13 red team found accepted (or failing with the wrong error): each now rejected by name."""
+    import torch
+
+    from knittrans.constraints import BatchConstraints, ConstraintError
+    from knittrans.dataplane.types import AdmissionStateError, SchemaMismatchError
+    from knittrans.mmdedup.fetch import EncodingPlane
+    from knittrans.mmdedup.keys import EncodingInputError
+    from knittrans.types import MiniBatch
+
+    def resp(g, n):  # noqa: ANN001, ANN202 - the response fields of good[0] cut to n rows
+        return {k: v[:n] for k, v in g[0].tensors.items() if k != "input_ids"}
+
+    def image(px, grid):  # noqa: ANN001, ANN202
+        return lambda: EncodingPlane(["u0"]).register("u0", 0, [px], [grid])
+
+    px = torch.randn(4, 8)
+    return [
+        BadInputCase("fetch_negative_seq", "fetch", SchemaMismatchError, r"seq must be an int >= 0",
+                     _fetch_case(lambda c, mb: c.fetch_next(-1, 0, timeout=1.0))),
+        BadInputCase("fetch_bool_rank", "fetch", SchemaMismatchError, r"rank must be an int, got True",
+                     _fetch_case(lambda c, mb: c.fetch_next(0, True, timeout=1.0))),
+        BadInputCase("fetch_rank_out_of_range", "fetch", AdmissionStateError, r"rank 5 out of range",
+                     _fetch_case(lambda c, mb: c.fetch(mb, 5))),
+        BadInputCase("discard_admitted", "fetch", AdmissionStateError, r"trajectory 0 is admitted in",
+                     _discard_admitted),
+        BadInputCase("minibatch_str_index", "minibatch", ValueError, r"MiniBatch.index must be an int >= 0, got '1'",
+                     _raises_only(lambda: MiniBatch(0, "1", (0,), (0,), 0))),
+        BadInputCase("minibatch_empty", "minibatch", ValueError, r"traj_ids is empty",
+                     _raises_only(lambda: MiniBatch(0, 0, (), (0,), 0))),
+        BadInputCase("zero_length_response", "trajectory", SchemaMismatchError, r"trajectory 55: zero-length response",
+                     _dp_case(lambda g: _payload(55, {"input_ids": g[0].tensors["input_ids"], **resp(g, 0)}))),
+        BadInputCase("empty_token_field", "trajectory", SchemaMismatchError, r"token field 'input_ids' is empty",
+                     _dp_case(lambda g: _payload(56, {**g[0].tensors, "input_ids": np.zeros(0, np.int64)}))),
+        BadInputCase("bf16_tensor", "trajectory", SchemaMismatchError, r"field 'old_logprobs' has dtype torch.bfloat16",
+                     _dp_case(lambda g: _payload(57, _tensors(g, old_logprobs=torch.from_numpy(
+                         g[0].tensors["old_logprobs"]).to(torch.bfloat16))))),
+        BadInputCase("meta_tensor", "trajectory", SchemaMismatchError, r"field 'advantages' is a meta-device tensor",
+                     _dp_case(lambda g: _payload(58, _tensors(g, advantages=torch.empty(
+                         g[0].tensors["advantages"].shape, device="meta"))))),
+        BadInputCase("absurd_size_slack", "constraints", ConstraintError, r"size_slack=3000000 exceeds batch_size=8",
+                     _raises_only(lambda: BatchConstraints(8, 2, 10, size_slack=3_000_000))),
+        BadInputCase("grid_with_str", "image", EncodingInputError, r"grid_thw must be three ints",
+                     _raises_only(image(px, (1, "2", 2)))),
+        BadInputCase("nan_pixels", "image", EncodingInputError, r"1 non-finite value",
+                     _raises_only(image(torch.where(torch.arange(32).view(4, 8) == 3, float("nan"), px), (1, 2, 2)))),
+    ]
+
+
+CATALOGUE_NAMES = ("trajectory", "image", "constraints", "transport", "fetch", "minibatch")
 
 
 def try_case(case: BadInputCase) -> tuple[bool, str]:

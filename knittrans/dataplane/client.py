@@ -230,6 +230,10 @@ class DataPlaneClient:
         """Rank ``rank``'s share of the ``seq``-th admitted mini-batch, waiting (up to ``timeout``) for its
         admission; ``TimeoutError`` (nothing claimed) if it is not admitted in time. What the prefetcher runs."""
         names = tuple(fields) if fields is not None else self.schema.names
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            raise SchemaMismatchError(f"rank must be an int, got {rank!r}")
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+            raise SchemaMismatchError(f"seq must be an int >= 0 (the admission order), got {seq!r}")
         t0 = time.perf_counter()
         loc = self.controller.claim_next(seq, rank, names, timeout)
         return self._deliver(loc, t0, ack)

@@ -317,6 +317,8 @@ class Controller:
 
     def _admit_locked(self, mb: MiniBatch) -> AdmittedMiniBatch:
         """Validate and admit ``mb`` (lock held)."""
+        if not isinstance(mb, MiniBatch):
+            raise AdmissionStateError(f"admit takes a MiniBatch, got {type(mb).__name__}")
         key = MiniBatchKey(mb.batch_id, mb.index)
         if self._closed:
             raise DataPlaneClosedError("controller is closed")
@@ -355,6 +357,8 @@ class Controller:
     def next_admitted(self, seq: int, timeout: float | None = None) -> AdmittedMiniBatch:
         """The ``seq``-th admitted mini-batch, waiting until it is admitted. Raises ``TimeoutError`` after
         ``timeout`` seconds, ``DataPlaneClosedError`` if the controller closes first."""
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:  # -1 would read the last mini-batch
+            raise AdmissionStateError(f"seq must be an int >= 0 (an admission order), got {seq!r}")
         with self._cv:
             ok = self._cv.wait_for(lambda: (self._closed or len(self._log) > seq or self._failure is not None
                                             or self._ended(seq)), timeout=timeout)
@@ -389,8 +393,7 @@ class Controller:
             if st is None:
                 raise UnknownMiniBatchError(f"mini-batch {key} was never admitted (admitted: "
                                             f"{sorted((k.batch_id, k.index) for k in self._mbs)[-8:]} ...)")
-            if not 0 <= rank < self.num_ranks:
-                raise AdmissionStateError(f"rank {rank} out of range: this data plane has {self.num_ranks} ranks")
+            self._check_rank(rank)
             if not fields or len(set(fields)) != len(fields):
                 raise FieldNotProducedError(f"fetch of {key} rank {rank}: fields must be non-empty and distinct, "
                                             f"got {list(fields)}")
@@ -569,8 +572,7 @@ class Controller:
         """A trainer rank crashed and restarts: return everything it claimed and did not ack to the pool, and
         return the admission sequence number it must resume from (its first mini-batch not fully acked)."""
         with self._cv:
-            if not 0 <= rank < self.num_ranks:
-                raise AdmissionStateError(f"rank {rank} out of range: this data plane has {self.num_ranks} ranks")
+            self._check_rank(rank)
             resume = len(self._log)
             for seq, key in enumerate(self._log):
                 st = self._mbs[key]
@@ -580,6 +582,12 @@ class Controller:
                     resume = seq
             self._cv.notify_all()
             return resume
+
+    def _check_rank(self, rank: object) -> None:
+        if not isinstance(rank, int) or isinstance(rank, bool):  # True would read rank 1's share
+            raise AdmissionStateError(f"rank must be an int, got {rank!r}")
+        if not 0 <= rank < self.num_ranks:
+            raise AdmissionStateError(f"rank {rank} out of range: this data plane has {self.num_ranks} ranks")
 
     def _produced(self, st: _MiniBatchState, rank: int) -> set[str]:
         share = st.admitted.shares[rank]

@@ -48,8 +48,15 @@ def validate_payload(schema: TrajectorySchema, p: TrajectoryPayload) -> dict[str
         arr = as_numpy(p.traj_id, name, value)
         schema.get(name).check(p.traj_id, arr)
         out[name] = arr
+    tok = out.get(schema.token_field)
+    if tok is not None and tok.shape[0] == 0:
+        raise SchemaMismatchError(f"trajectory {p.traj_id}: token field {schema.token_field!r} is empty (a trajectory "
+                                  f"has at least one token)")
     for group in schema.same_length:
         lens = {n: int(out[n].shape[0]) for n in group if n in out}
+        if any(v == 0 for v in lens.values()):
+            raise SchemaMismatchError(f"trajectory {p.traj_id}: zero-length response (fields {sorted(lens)} have 0 "
+                                      f"rows; an empty generation carries nothing to train on)")
         if len(set(lens.values())) > 1:
             raise SchemaMismatchError(f"trajectory {p.traj_id}: fields of mismatched length {lens} (schema: "
                                       f"{list(group)} have one row per response token)")

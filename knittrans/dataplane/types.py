@@ -170,7 +170,18 @@ def as_numpy(traj_id: int, name: str, value: object) -> np.ndarray:
         return value
     torch = sys.modules.get("torch")  # a tensor can only exist if torch is already imported
     if torch is not None and isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
+        if value.is_meta:
+            raise SchemaMismatchError(f"trajectory {traj_id}: field {name!r} is a meta-device tensor (shape only, no "
+                                      f"data); put the materialised tensor")
+        if value.dtype == torch.bfloat16:
+            raise SchemaMismatchError(f"trajectory {traj_id}: field {name!r} has dtype torch.bfloat16, which numpy "
+                                      f"cannot hold; cast it to float32 before the put (casts back to bf16 happen "
+                                      f"on the trainer: PrepareConfig.casts)")
+        try:
+            return value.detach().cpu().numpy()
+        except (TypeError, RuntimeError) as e:
+            raise SchemaMismatchError(f"trajectory {traj_id}: field {name!r} ({value.dtype} on {value.device}) "
+                                      f"cannot be read as a numpy array: {e}") from None
     raise SchemaMismatchError(f"trajectory {traj_id}: field {name!r} must be a numpy array or torch tensor, "
                               f"got {type(value).__name__}")
 

@@ -8,9 +8,9 @@ on every key hit, see ``store.py``).
 
 Fetch: a rank gathers the (unit, slot, grid) of every image occurrence of its share, in the share's order, reads
 each distinct (unit, slot, grid) once, and returns an ``ImageSet`` of distinct images plus, per trajectory, the
-indices into it (``TrainSample.image_ids``), which is all the dedup trainer path (``gather.py``) needs. Dedup is exact within a
-unit; the same content on two units (a group split across engines) is moved once per unit, because proving two
-units' copies equal would need their bytes in one place (a key match alone is not proof).
+indices into it (``TrainSample.image_ids``), which is all the dedup trainer path (``gather.py``) needs. Dedup is
+exact within a unit; the same content on two units (a group split across engines) is moved once per unit,
+because proving two units' copies equal would need their bytes in one place (a key match alone is not proof).
 
 Consumption: ``consume`` releases the trajectories' references after the trainer step that used them; a slot is
 freed with its last reference (nothing freed early: a later mini-batch's trajectory still holds its own).
@@ -36,7 +36,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from knittrans.mmdedup.gather import ImageSet
-from knittrans.mmdedup.keys import EncodingInputError, HashFn, encoding_hash_fn
+from knittrans.mmdedup.keys import EncodingInputError, HashFn, check_finite_pixels, check_grid, encoding_hash_fn
 from knittrans.mmdedup.store import EncodingRef, EncodingStore, EncodingStoreError, StoreStats
 
 
@@ -82,9 +82,11 @@ class EncodingPlane:
         if len(encodings) != len(grids):
             raise EncodingInputError(f"trajectory {traj_id}: {len(encodings)} encodings but {len(grids)} grids")
         for i, (e, g) in enumerate(zip(encodings, grids)):
-            if len(g) != 3 or min(g) < 1 or not isinstance(e, torch.Tensor) or g[0] * g[1] * g[2] != e.shape[0]:
-                raise EncodingInputError(f"trajectory {traj_id} image {i}: grid_thw {tuple(g)} does not match "
-                                         f"pixel values of shape {tuple(getattr(e, 'shape', ()))}")
+            if not isinstance(e, torch.Tensor):
+                raise EncodingInputError(f"trajectory {traj_id} image {i}: pixel values must be a torch.Tensor, "
+                                         f"got {type(e).__name__}")
+            check_grid(f"trajectory {traj_id} image {i}", g, e.shape[0])
+            check_finite_pixels(f"trajectory {traj_id} image {i}", e)
         with self._lock:
             if traj_id in self._occ:
                 raise EncodingStoreError(f"trajectory {traj_id} already has images registered")

@@ -62,7 +62,8 @@ from knittrans.dataplane.storage import StorageUnit, validate_payload
 from knittrans.dataplane.types import (DuplicatePutError, FieldSpec, PackedShare, PutRecord, SchemaMismatchError,
                                        ShareLocation, TrajectoryPayload, TrajectorySchema, UnitChunk)
 from knittrans.mmdedup.gather import ImageSet
-from knittrans.mmdedup.keys import EncodingInputError, HashFn, check_encoding, encoding_hash_fn
+from knittrans.mmdedup.keys import (EncodingInputError, HashFn, check_encoding, check_finite_pixels, check_grid,
+                                    encoding_hash_fn)
 from knittrans.mmdedup.store import EncodingRef, EncodingStore, StoreStats
 from knittrans.types import MiniBatch
 
@@ -133,9 +134,8 @@ def _check_images(p: MMPayload) -> None:
         raise EncodingInputError(f"trajectory {p.traj_id}: {len(p.encodings)} encodings but {len(p.grids)} grids")
     for i, (e, g) in enumerate(zip(p.encodings, p.grids)):
         check_encoding(e)
-        if len(g) != 3 or min(g) < 1 or g[0] * g[1] * g[2] != e.shape[0]:
-            raise EncodingInputError(f"trajectory {p.traj_id} image {i}: grid_thw {tuple(g)} does not match pixel "
-                                     f"values of shape {tuple(e.shape)}")
+        check_finite_pixels(f"trajectory {p.traj_id} image {i}", e)
+        check_grid(f"trajectory {p.traj_id} image {i}", g, e.shape[0])
 
 
 class MMStorageUnit(StorageUnit):
