@@ -161,3 +161,32 @@ def test_cu_seqlens_past_int32_raise_a_typed_error_instead_of_wrapping():
     assert ok.dtype == np.int32 and ok[-1] == 2**31 - 1
     with pytest.raises(ShareTooLargeError, match=r"field 'input_ids' has 2147483648 rows, past int32"):
         cu_seqlens_int32(np.array([0, 2**31]), "input_ids", loc)
+
+
+# -- baselines never hang -------------------------------------------------------------------------------------------
+
+
+def test_greedy_baseline_ends_a_used_up_batch_instead_of_hanging_and_counts_it():
+    """Slack lets greedy put the whole of batch 0 (one group of 2) into its first mini-batch; its second step can
+    never fill. It must end the batch (counted) and go on with batch 1, not wait for ever."""
+    from baselines.admission import make_policy
+    from knittrans.constraints import BatchConstraints
+    from knittrans.types import BatchPlan, GroupSpec, Trajectory
+
+    c = BatchConstraints(batch_size=4, num_minibatches=2, max_response_len=16, size_slack=1, whole_groups=False)
+    p = make_policy("greedy", c)
+    p.add_batch(BatchPlan(0, (GroupSpec(0, 0, 2),)))
+    p.add_batch(BatchPlan(1, (GroupSpec(1, 1, 2), GroupSpec(2, 1, 2))))
+    for t in range(2):
+        p.on_complete(Trajectory(t, 0, 0, num_tokens=3, v_gen=0))
+    for t in range(2, 6):
+        p.on_complete(Trajectory(t, 1 + (t - 2) // 2, 1, num_tokens=3, v_gen=0))
+    out = []
+    for _ in range(10):  # bounded: a hang shows as a missing mini-batch, never as a stuck test
+        mbs = p.on_trainer_ready(0.0)
+        if not mbs:
+            break
+        out += mbs
+    assert sorted(t for mb in out for t in mb.traj_ids) == list(range(6))  # nothing lost, nothing twice
+    assert [mb.batch_id for mb in out] == [0, 1, 1]
+    assert p.stats.ended_short == 1 and p.ledger.current() is None
