@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from array import array
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from knittrans.dataplane.assign import ShareItem, assign_shares
+from knittrans.dataplane.idset import IdRanges
 from knittrans.dataplane.types import (AdmissionStateError, AdmittedMiniBatch, AlreadyConsumedError,
                                        DataLostError, DataPlaneClosedError, DuplicatePutError, EndOfStream,
                                        FieldNotProducedError, MiniBatchKey, PutRecord, ShareLocation,
@@ -56,6 +58,10 @@ class ControllerConfig:
     """Locality yields once a rank would exceed ``(1 + slack) * ideal`` tokens (see ``assign``)."""
     equal_counts: bool = True
     """Give every rank the same number of trajectories (+-1): DP ranks step on equal sample counts."""
+    keep_records: bool = True
+    """Keep a ``HandoffRecord`` row of every trained trajectory that carried metadata (64 B each, in columns) for
+    ``records()`` and staleness reports. False: only unreleased ones are reported, and controller memory is flat
+    however long the run (released trajectories and mini-batches are compacted either way)."""
 
     def __post_init__(self) -> None:
         if not self.rank_nodes:
@@ -94,6 +100,10 @@ class ControllerStats:
     units_lost: int = 0
     completed: int = 0  # trajectories whose completing put (with meta) arrived
     planned_minibatches: int = 0  # M per announced batch
+    held: int = 0  # trajectories with live metadata (not yet released): what controller memory scales with
+    held_minibatches: int = 0  # admitted, not yet released
+    released_id_ranges: int = 0  # released ids are kept as ranges (one per run of consecutive ids)
+    discarded: int = 0  # orphans forgotten by ``discard``
 
 
 @dataclass(frozen=True)
@@ -143,6 +153,14 @@ class Controller:
         self._missing: set[int] = set()
         self._units_lost = 0
         self._discarded = 0
+        # Compaction (bounded memory): a released mini-batch's trajectories leave ``_trajs`` and the mini-batch
+        # leaves ``_mbs``; what stays is their ids as ranges, the released keys (one per step), and -- when
+        # ``keep_records`` -- one columnar record row per trajectory that carried metadata.
+        self._released_ids = IdRanges()
+        self._released_keys: dict[MiniBatchKey, int] = {}  # key -> seq
+        self._consumed_after_loss: set[int] = set()  # released while missing: a late re-put is not needed
+        self._rec_i = {k: array("q") for k in ("traj", "group", "batch", "tokens", "v_gen", "v_train")}
+        self._rec_f = {k: array("d") for k in ("t_complete", "t_admit")}
         self._closed = False
         self._cv = threading.Condition()
 
@@ -160,12 +178,16 @@ class Controller:
         with self._cv:
             records = self._strip_repeats_locked(records)
             seen: set[tuple[int, str]] = set()
-            skip = {r.traj_id for r in records if r.traj_id in self._trajs and self._consumed_since_loss(r.traj_id)}
+            skip = {r.traj_id for r in records if (r.traj_id in self._trajs and self._consumed_since_loss(r.traj_id))
+                    or r.traj_id in self._consumed_after_loss}
             for r in records:
                 if r.unit_id not in self.unit_nodes:
                     raise AdmissionStateError(f"put of trajectory {r.traj_id} to unknown unit {r.unit_id!r}")
                 if r.traj_id in skip:
                     continue
+                if r.traj_id not in self._trajs and r.traj_id in self._released_ids:
+                    raise DuplicatePutError(f"trajectory {r.traj_id} was consumed and released; it takes no more "
+                                            f"fields (a regenerated trajectory needs a new id)")
                 st = self._trajs.get(r.traj_id)
                 if st is not None and st.unit_id is None:  # missing: a re-put, to any unit
                     if r.num_tokens is not None and st.num_tokens is not None and r.num_tokens != st.num_tokens:
@@ -329,6 +351,8 @@ class Controller:
         items = []
         for t in mb.traj_ids:
             st = self._trajs.get(t)
+            if st is None and t in self._released_ids:
+                raise AdmissionStateError(f"mini-batch {key}: trajectory {t} was already trained and released")
             if st is None or st.num_tokens is None:
                 raise AdmissionStateError(f"mini-batch {key}: trajectory {t} was never put (its token field "
                                           f"{self.schema.token_field!r} is unknown)")
@@ -363,7 +387,10 @@ class Controller:
             ok = self._cv.wait_for(lambda: (self._closed or len(self._log) > seq or self._failure is not None
                                             or self._ended(seq)), timeout=timeout)
             if len(self._log) > seq:
-                return self._mbs[self._log[seq]].admitted
+                key = self._log[seq]
+                if key in self._released_keys:
+                    raise AlreadyConsumedError(f"mini-batch #{seq} ({key}) was released: every rank consumed it")
+                return self._mbs[key].admitted
             if self._failure is not None:
                 raise self._failure
             if self._ended(seq):
@@ -380,6 +407,7 @@ class Controller:
         with self._cv:
             st = self._mbs.get(key)
             if st is None:
+                self._raise_released(key)
                 raise UnknownMiniBatchError(f"mini-batch {key} was never admitted")
             return st.admitted
 
@@ -391,6 +419,7 @@ class Controller:
         with self._cv:
             st = self._mbs.get(key)
             if st is None:
+                self._raise_released(key)
                 raise UnknownMiniBatchError(f"mini-batch {key} was never admitted (admitted: "
                                             f"{sorted((k.batch_id, k.index) for k in self._mbs)[-8:]} ...)")
             self._check_rank(rank)
@@ -446,6 +475,8 @@ class Controller:
         with self._cv:
             st = self._mbs.get(key)
             if st is None:
+                if key in self._released_keys:
+                    return ()  # a repeated ack of a released (compacted) mini-batch: nothing more to do
                 raise UnknownMiniBatchError(f"ack for mini-batch {key}, which was never admitted")
             missing = [n for n in fields if (rank, n) not in st.claimed]
             if missing:
@@ -472,7 +503,35 @@ class Controller:
                 u = self._trajs[t].unit_id
                 if u is not None:  # None: consumed after its unit was lost; nothing left to drop
                     by_unit.setdefault(u, []).append(t)
+            self._compact_locked(st)
             return tuple((u, tuple(ts)) for u, ts in sorted(by_unit.items()))
+
+    def _compact_locked(self, st: _MiniBatchState) -> None:
+        """Forget a released mini-batch's per-trajectory state (lock held); see ``__init__``."""
+        adm = st.admitted
+        for t in adm.traj_ids:
+            ts = self._trajs.pop(t)
+            if ts.unit_id is None:
+                self._consumed_after_loss.add(t)
+            if ts.meta is not None and self.config.keep_records:
+                m = ts.meta
+                for k, v in (("traj", t), ("group", m.group_id), ("batch", m.batch_id), ("tokens", m.num_tokens),
+                             ("v_gen", m.v_gen), ("v_train", adm.seq)):
+                    self._rec_i[k].append(v)
+                self._rec_f["t_complete"].append(ts.t_complete)
+                self._rec_f["t_admit"].append(st.t_admit)
+        self._released_ids.update(adm.traj_ids)
+        self._forget_locked(adm.traj_ids)
+        del self._mbs[adm.key]
+        self._released_keys[adm.key] = adm.seq
+
+    def _forget_locked(self, traj_ids: Sequence[int]) -> None:
+        """Hook: these trajectories were released and compacted (a subclass drops its own per-trajectory state)."""
+
+    def _raise_released(self, key: MiniBatchKey) -> None:
+        if key in self._released_keys:
+            raise AlreadyConsumedError(f"mini-batch {key} was released: every rank consumed it (exactly-once "
+                                       f"delivery)")
 
     # -- faults and recovery (docs/reliability.md) -----------------------------------------------------------
 
@@ -522,6 +581,9 @@ class Controller:
                 if not isinstance(t, int) or isinstance(t, bool):
                     raise AdmissionStateError(f"discard: trajectory ids are ints, got {t!r}")
                 st = self._trajs.get(t)
+                if st is None and t in self._released_ids:
+                    raise AdmissionStateError(f"discard: trajectory {t} was trained and released; only orphans "
+                                              f"(never admitted) can be discarded")
                 if st is None:
                     continue
                 if st.admitted_in is not None:
@@ -554,6 +616,8 @@ class Controller:
             out = []
             for t in traj_ids:
                 st = self._trajs.get(t)
+                if st is None and t in self._released_ids:
+                    continue  # released and compacted
                 if st is None or st.admitted_in is None or not self._mbs[st.admitted_in].released:
                     out.append(t)
             return tuple(out)
@@ -564,6 +628,8 @@ class Controller:
         with self._cv:
             st = self._mbs.get(key)
             if st is None:
+                if key in self._released_keys:
+                    return  # every rank consumed it: nothing to return to the pool
                 raise UnknownMiniBatchError(f"unclaim of mini-batch {key}, which was never admitted")
             st.claimed.difference_update((rank, n) for n in fields if (rank, n) not in st.acked)
             self._cv.notify_all()
@@ -575,7 +641,9 @@ class Controller:
             self._check_rank(rank)
             resume = len(self._log)
             for seq, key in enumerate(self._log):
-                st = self._mbs[key]
+                st = self._mbs.get(key)
+                if st is None:  # released and compacted
+                    continue
                 st.claimed = {(r, n) for r, n in st.claimed if r != rank or (r, n) in st.acked}
                 produced = self._produced(st, rank)
                 if resume == len(self._log) and not st.released and any((rank, n) not in st.acked for n in produced):
@@ -613,8 +681,11 @@ class Controller:
 
     def stats(self) -> ControllerStats:
         with self._cv:
-            return ControllerStats(len(self._trajs), len(self._log), self._claims, self._released,
-                                   len(self._missing), self._units_lost, self._completed, self._planned)
+            return ControllerStats(len(self._trajs) + len(self._released_ids), len(self._log), self._claims,
+                                   self._released, len(self._missing), self._units_lost, self._completed,
+                                   self._planned, held=len(self._trajs), held_minibatches=len(self._mbs),
+                                   released_id_ranges=len(self._released_ids.ranges),
+                                   discarded=self._discarded)
 
     # -- versions and records --------------------------------------------------------------------------------
 
@@ -642,12 +713,14 @@ class Controller:
     def records(self) -> list[HandoffRecord]:
         """Every admitted trajectory that carried metadata, with ``v_gen``, ``v_train`` and its times, by id."""
         with self._cv:
-            out = []
-            for t, st in sorted(self._trajs.items()):
+            i, f = self._rec_i, self._rec_f
+            out = [HandoffRecord(*(int(i[k][n]) for k in ("traj", "group", "batch", "tokens", "v_gen", "v_train")),
+                                 f["t_complete"][n], f["t_admit"][n], True) for n in range(len(i["traj"]))]
+            for t, st in self._trajs.items():
                 if st.meta is None or st.admitted_in is None:
                     continue
                 mb = self._mbs[st.admitted_in]
                 m = st.meta
                 out.append(HandoffRecord(t, m.group_id, m.batch_id, m.num_tokens, m.v_gen, mb.admitted.seq,
                                          st.t_complete, mb.t_admit, mb.released))
-            return out
+            return sorted(out, key=lambda r: r.traj_id)

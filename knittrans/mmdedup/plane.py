@@ -266,6 +266,10 @@ class MMController(Controller):
             if g is not None and g >= 0:
                 self._group[r.traj_id] = g
 
+    def _forget_locked(self, traj_ids: Sequence[int]) -> None:
+        for t in traj_ids:
+            self._group.pop(t, None)
+
     def _assign(self, items: Sequence[ShareItem], mb: MiniBatch) -> tuple[tuple[int, ...], ...]:
         groups: dict[int, list[ShareItem]] = {}
         for it in items:

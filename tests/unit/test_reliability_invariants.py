@@ -107,7 +107,7 @@ def test_orphans_of_a_dead_producer_are_discarded_and_their_ids_can_be_regenerat
     mb = MiniBatch(0, 0, (10, 11), (0,), 0)
     c.admit(mb)
     assert set(_rows(c.fetch(mb, 0), "input_ids")) == {10, 11}
-    with pytest.raises(Exception, match="admitted in"):
+    with pytest.raises(Exception, match="trajectory 10 was trained and released"):
         c.discard([10])  # an admitted trajectory will be trained: never discarded
 
 
@@ -190,3 +190,41 @@ def test_greedy_baseline_ends_a_used_up_batch_instead_of_hanging_and_counts_it()
     assert sorted(t for mb in out for t in mb.traj_ids) == list(range(6))  # nothing lost, nothing twice
     assert [mb.batch_id for mb in out] == [0, 1, 1]
     assert p.stats.ended_short == 1 and p.ledger.current() is None
+
+
+# -- bounded state --------------------------------------------------------------------------------------------------
+
+
+def test_controller_memory_is_flat_after_warm_up():
+    """Released mini-batches and their trajectories are compacted: after warm-up, the controller's Python heap
+    does not grow with the number of trajectories put through it (before: ~520 B per trajectory for ever)."""
+    import tracemalloc
+
+    from knittrans.dataplane import FieldSpec, TrajectorySchema
+
+    schema = TrajectorySchema((FieldSpec("ids", "int64"),), token_field="ids")
+    dp = build_inprocess(schema, {"u0": "n0"}, ("n0",))
+    c = dp.client("u0")
+    mb_size, ids = 100, np.arange(3, dtype=np.int64)
+
+    def run(k0: int, k1: int) -> None:
+        for k in range(k0, k1):
+            ts = range(k * mb_size, (k + 1) * mb_size)
+            c.put([TrajectoryPayload(t, {"ids": ids}) for t in ts])
+            mb = MiniBatch(0, k, tuple(ts), (k,), 0)
+            c.admit(mb)
+            c.fetch(mb, 0)
+
+    tracemalloc.start()
+    try:
+        run(0, 20)  # warm-up
+        base = tracemalloc.get_traced_memory()[0]
+        run(20, 120)  # 10,000 more trajectories
+        grown = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    st = dp.controller.stats()
+    assert st.trajectories == 12_000 and st.held == 0 and st.held_minibatches == 0 and st.released_id_ranges == 1
+    assert grown / 10_000 < 40, f"controller state grew {grown / 10_000:.0f} B per trajectory after warm-up"
+    with pytest.raises(DuplicatePutError, match="trajectory 5 was consumed and released"):
+        c.put([TrajectoryPayload(5, {"ids": ids})])  # a compacted id still refuses a second training
