@@ -177,7 +177,7 @@ class FaultyUnit:
             corrupt = self._fire(CorruptPut, self._puts)
         if corrupt and payloads:
             p = payloads[0]
-            name = corrupt[0].field
+            name = corrupt[0].field if corrupt[0].field in p.tensors else next(iter(p.tensors))  # field by field
             bad = {**p.tensors, name: _flip_one_byte(as_numpy(p.traj_id, name, p.tensors[name]))}
             payloads = [replace(p, tensors=bad), *payloads[1:]]
         return self.inner.put(payloads)
@@ -230,21 +230,26 @@ class ProducerBuffer:
         self.units = [u for u in (client.local_unit, *fallback_units) if u is not None]
         self.kept: dict[int, TrajectoryPayload] = {}
         self.reputs = 0
+        self.fallbacks = 0  # puts that went to a fallback unit because an earlier one was lost
 
     def put(self, payloads: Sequence[TrajectoryPayload]) -> str:
         """Put to the first live unit; returns the unit that took them. ``UnitLostError`` only if all are lost."""
         for p in payloads:
             self.kept[p.traj_id] = _merged(self.kept.get(p.traj_id), p)
-        return self._put_somewhere(list(payloads))
+        return self._put_somewhere(list(payloads), [self.kept[p.traj_id] for p in payloads])
 
-    def _put_somewhere(self, payloads: list[TrajectoryPayload]) -> str:
+    def _put_somewhere(self, payloads: list[TrajectoryPayload],
+                       whole: list[TrajectoryPayload] | None = None) -> str:
+        """``payloads`` to the first live unit; a fallback unit gets ``whole`` (every field put so far), since
+        the fields put before went down with the lost unit."""
         err: Exception | None = None
-        for u in self.units:
+        for i, u in enumerate(self.units):
             try:
-                self.client.put(payloads, unit=u)
+                self.client.put(payloads if i == 0 or whole is None else whole, unit=u)
                 return u
             except UnitLostError as e:
                 err = e
+                self.fallbacks += 1
         raise UnitLostError(",".join(self.units), f"no live unit for trajectories "
                                                   f"{[p.traj_id for p in payloads][:8]}") from err
 
