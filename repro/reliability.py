@@ -1,25 +1,23 @@
-"""Reliability: faults injected and survived, bad input rejected, and load, with exact accounting.
+"""Reliability table (issue 13): faults injected and survived, bad input rejected, and load, with exact accounting.
 
-    python -m repro.reliability                      # ~2-3 min on 2 cores (100k-trajectory load on both transports)
-    python -m repro.reliability load_trajectories=10000 logger=none
+    python -m repro.reliability                      # ~8 min on 2 cores (1M-trajectory load in process)
+    python -m repro.reliability load_trajectories=20000 ray_load_trajectories=5000 logger=none   # a quick look
 
-Writes ``results/reliability/``. Three parts (semantics: docs/reliability.md):
+Writes ``results/reliability/`` (trials.jsonl, summary.json, table.md). Logs typed rows only
+(``repro.spec.reliability.ReliabilityTrial``); the claims and their verdicts live in ``repro/spec/reliability.py``.
+Parts (semantics: docs/reliability.md):
 
-- **Faults**: each scenario injects typed faults (``knittrans.runtime.faults.RuntimeFaultPlan``,
-  ``knittrans.dataplane.faults.FaultPlan`` / ``RankCrash``) into a real run or a data plane and checks the run
-  finishes with every trajectory trained or delivered exactly once. A row per scenario.
-- **Bad input**: ``workloads.reliability_catalogue``, one case per kind of malformed input; each must raise its typed error with a
-  message naming the problem and leave what was already stored intact. ``tests/unit/test_bad_input.py`` runs the
-  same catalogue in CI.
-- **Load**: ``load_trajectories`` through the data plane with ``producers`` producers and ``ranks`` consumers, in
-  process (threads) and on Ray (actors); exact accounting, storage freed, peak occupancy, throughput.
-
-Claims: ``trajectories_lost`` (0), ``trajectories_duplicated`` (0), ``faults_survived`` (= injected),
-``bad_input_rejected`` (= tried), ``load_throughput_<transport>`` (trajectories/s, reported), ``memory_bounded``.
+- **Faults**: runtime scenarios (``workloads.reliability_faults``: a real tiny-policy run with each runtime fault),
+  data-plane scenarios on each transport, and the chaos driver (``workloads.chaos``: load with random faults of
+  every class on each transport). A row per fault kind and transport, counted from what fired.
+- **Bad input**: ``workloads.reliability_catalogue``: one row per case (tried, rejected cleanly with state intact).
+- **Load**: ``load_trajectories`` in process (threads) and ``ray_load_trajectories`` on Ray (actors): exact
+  accounting, storage freed, controller state after warm-up, RSS growth (in process), throughput.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -27,9 +25,11 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from repro.spec.reliability import ReliabilityTrial
+from workloads.chaos import CLASSES, ChaosConfig, ChaosResult, run_chaos
 from workloads.reliability_catalogue import catalogue, try_case
 from workloads.reliability_faults import FaultOutcome, dataplane_fault_scenarios, runtime_fault_scenarios
-from workloads.reliability_load import LoadConfig, load_inprocess, load_ray, ray_init
+from workloads.reliability_load import LoadConfig, LoadResult, load_inprocess, load_ray, ray_init
 
 
 @dataclass
@@ -37,123 +37,165 @@ class ReliabilityConf:
     out_dir: str = "results/reliability"
     logger: str = "wandb"
     """wandb (offline unless WANDB_MODE=online) or none."""
-    load_trajectories: int = 100_000
-    """Trajectories pushed through the data plane per transport."""
+    load_trajectories: int = 1_000_000
+    """Trajectories pushed through the in-process data plane (the issue's flat-memory load)."""
+    ray_load_trajectories: int = 100_000
+    """Trajectories of the Ray load (actors on one machine: ~10x slower per trajectory than in process)."""
     load_minibatch: int = 1000
-    """Trajectories per admitted mini-batch in the load run."""
+    """Trajectories per admitted mini-batch in the load runs."""
     producers: int = 2
     ranks: int = 2
     window: int = 4
     """Producer flow control: mini-batch k is put only once k - window are released (bounds unit memory)."""
     load_checksums: bool = True
-    """Checksum every put and verify every fetch in the load run (what catches corrupted messages)."""
+    """Checksum every put and verify every fetch in the load runs (what catches corrupted messages)."""
     transports: list[str] = field(default_factory=lambda: ["inprocess", "ray"])
     runtime_faults: bool = True
     """Run the runtime fault scenarios (tiny policy, ~10 s warm start)."""
+    chaos_trajectories: int = 3000
+    """Trajectories of each chaos run (one per transport)."""
+    chaos_fault_rate: float = 0.2
+    """Per mini-batch probability of each action-driven chaos fault."""
     seed: int = 0
 
 
 ConfigStore.instance().store(name="reliability_schema", node=ReliabilityConf)
 
+UNITS3 = {"u0": "n0", "u1": "n1", "u2": "n2"}
 
 
-def load_config(cfg: ReliabilityConf) -> LoadConfig:
-    return LoadConfig(cfg.load_trajectories, cfg.load_minibatch, cfg.producers, cfg.ranks, cfg.window,
-                      cfg.load_checksums)
+def load_config(cfg: ReliabilityConf, transport: str) -> LoadConfig:
+    n = cfg.load_trajectories if transport == "inprocess" else cfg.ray_load_trajectories
+    return LoadConfig(n, cfg.load_minibatch, cfg.producers, cfg.ranks, cfg.window, cfg.load_checksums)
 
 
-# -- the table ------------------------------------------------------------------------------------------------------
-
-
-def run(cfg: ReliabilityConf) -> dict:
-    from knittrans.dataplane import build_inprocess
-    from repro.logger import publish
-    from repro.results import Claim, Results
-
-    res = Results(table="reliability", out_dir=cfg.out_dir)
-    t_start = time.perf_counter()
-    # faults
-    outcomes: list[FaultOutcome] = []
-    if cfg.runtime_faults:
-        outcomes += runtime_fault_scenarios(cfg.seed)
+def chaos_on(transport: str, cfg: ReliabilityConf) -> ChaosResult:
+    """The chaos driver on one transport (3 units, 2 ranks, checksums on)."""
     from workloads.text_data import TEXT_SCHEMA
 
-    outcomes += dataplane_fault_scenarios(
-        "inprocess", lambda plan: build_inprocess(TEXT_SCHEMA, {"u0": "n0", "u1": "n1"}, ("n0", "n1"),
-                                                  checksums=True, faults=plan))
-    if "ray" in cfg.transports:
-        ray_init()
-        from knittrans.dataplane.ray_transport import build_ray
+    ccfg = ChaosConfig(trajectories=cfg.chaos_trajectories, fault_rate=cfg.chaos_fault_rate, seed=cfg.seed)
+    if transport == "inprocess":
+        from knittrans.dataplane import build_inprocess
 
-        outcomes += dataplane_fault_scenarios(
-            "ray", lambda plan: build_ray(TEXT_SCHEMA, {"u0": "n0", "u1": "n1"}, ("n0", "n1"), checksums=True,
-                                          faults=plan))
-    # bad input
-    bad_rows = []
+        return run_chaos("inprocess", lambda plan: build_inprocess(TEXT_SCHEMA, UNITS3, ("n0", "n1"), checksums=True,
+                                                                   faults=plan),
+                         lambda dp, u: dp.units[u].restart(), ccfg)
+    import ray
+
+    from knittrans.dataplane.ray_transport import build_ray
+
+    ray_init()
+    return run_chaos("ray", lambda plan: build_ray(TEXT_SCHEMA, UNITS3, ("n0", "n1"), checksums=True, faults=plan),
+                     lambda dp, u: ray.get(dp.unit_actors[u].restart.remote(), timeout=30), ccfg)
+
+
+def dataplane_faults_on(transport: str) -> list[FaultOutcome]:
+    from workloads.text_data import TEXT_SCHEMA
+
+    units, ranks = {"u0": "n0", "u1": "n1"}, ("n0", "n1")
+    if transport == "inprocess":
+        from knittrans.dataplane import build_inprocess
+
+        return dataplane_fault_scenarios("inprocess", lambda plan: build_inprocess(TEXT_SCHEMA, units, ranks,
+                                                                                   checksums=True, faults=plan))
+    from knittrans.dataplane.ray_transport import build_ray
+
+    ray_init()
+    return dataplane_fault_scenarios("ray", lambda plan: build_ray(TEXT_SCHEMA, units, ranks, checksums=True,
+                                                                   faults=plan))
+
+
+# -- rows -----------------------------------------------------------------------------------------------------------
+
+
+def outcome_rows(outcomes: list[FaultOutcome], seed: int) -> list[ReliabilityTrial]:
+    return [ReliabilityTrial(seed, "fault", o.scenario, o.transport, CLASSES.get(o.scenario, "lost_data"),
+                             o.injected, o.survived, o.trajectories, o.lost, o.duplicated, note=o.note[:200])
+            for o in outcomes]
+
+
+def chaos_rows(r: ChaosResult, seed: int) -> list[ReliabilityTrial]:
+    """One row for the run's accounting, one per fault kind (injected and survived, counted from what fired)."""
+    rows = [ReliabilityTrial(seed, "chaos", "chaos", r.transport, "", sum(r.injected.values()),
+                             sum(r.survived.values()), r.trajectories, r.lost, r.duplicated, r.corrupted,
+                             wall_s=r.wall_s, note=f"{r.regenerated} orphans discarded and regenerated; controller "
+                                                   f"held at most {r.held_max} trajectories between mini-batches; "
+                                                   f"units empty at the end: {r.final_unit_bytes == 0}")]
+    rows += [ReliabilityTrial(seed, "fault", kind, r.transport, CLASSES[kind], r.injected[kind], r.survived[kind],
+                              r.trajectories, note="chaos") for kind in sorted(r.injected)]
+    return rows
+
+
+def bad_input_rows(seed: int) -> list[ReliabilityTrial]:
+    rows = []
     for case in catalogue():
         ok, msg = try_case(case)
-        bad_rows.append({"case": case.name, "category": case.category, "error": case.error.__name__,
-                         "rejected": ok, "message": msg[:160], "covered_by": case.covered_by})
-    # load
-    loads = []
+        rows.append(ReliabilityTrial(seed, "bad_input", case.name, case.category, "input", 1, int(ok),
+                                     rejected=int(ok), note=f"{case.error.__name__}: {msg[:160]}"))
+    return rows
+
+
+def load_row(ld: LoadResult, cfg: ReliabilityConf) -> ReliabilityTrial:
+    return ReliabilityTrial(cfg.seed, "load", f"{ld.producers} producers x {ld.ranks} ranks", ld.transport, "load",
+                            trajectories=ld.trajectories, lost=ld.lost, duplicated=ld.duplicated,
+                            throughput=ld.throughput, held_ratio=ld.held_max / ld.bound_trajectories,
+                            rss_growth_b_per_traj=ld.rss_growth_b_per_traj,
+                            peak_rss_growth_mb=ld.peak_rss_growth_mb, wall_s=ld.wall_s,
+                            note=f"checksums {'on' if cfg.load_checksums else 'off'}; unit peak "
+                                 f"{ld.peak_unit_trajectories} <= {ld.bound_trajectories}; "
+                                 f"{ld.final_unit_bytes} bytes left")
+
+
+def trials(cfg: ReliabilityConf) -> list[ReliabilityTrial]:
+    rows: list[ReliabilityTrial] = []
+    if cfg.runtime_faults:
+        rows += outcome_rows(runtime_fault_scenarios(cfg.seed), cfg.seed)
+    for tr in cfg.transports:
+        rows += outcome_rows(dataplane_faults_on(tr), cfg.seed)
+        rows += chaos_rows(chaos_on(tr, cfg), cfg.seed)
+        print(f"reliability: faults and chaos on {tr} done", flush=True)
+    rows += bad_input_rows(cfg.seed)
     for tr in cfg.transports:
         if tr == "ray":
             ray_init()
-        loads.append(load_inprocess(load_config(cfg)) if tr == "inprocess" else load_ray(load_config(cfg)))
+        lcfg = load_config(cfg, tr)
+        ld = load_inprocess(lcfg) if tr == "inprocess" else load_ray(lcfg)
+        rows.append(load_row(ld, cfg))
+        print(f"reliability: {ld.trajectories:,}-trajectory load on {tr}: {ld.wall_s:.1f} s", flush=True)
+    return rows
 
-    for o in outcomes:
-        res.rows.append({"part": "fault", "scenario": o.scenario, "transport": o.transport, "injected": o.injected,
-                         "survived": o.survived, "trajectories": o.trajectories, "lost": o.lost,
-                         "duplicated": o.duplicated, "note": o.note})
-    for b in bad_rows:
-        res.rows.append({"part": "bad_input", "scenario": b["case"], "transport": b["category"],
-                         "injected": 1, "survived": int(b["rejected"]), "note": f"{b['error']}: {b['message']}"})
-    for ld in loads:
-        res.rows.append({"part": "load", "scenario": f"{ld.producers} producers x {ld.ranks} ranks",
-                         "transport": ld.transport, "trajectories": ld.trajectories, "lost": ld.lost,
-                         "duplicated": ld.duplicated, "wall_s": round(ld.wall_s, 2),
-                         "throughput_traj_per_s": round(ld.throughput), "peak_unit_trajectories":
-                         ld.peak_unit_trajectories, "final_unit_bytes": ld.final_unit_bytes})
-    lost = sum(o.lost for o in outcomes) + sum(ld.lost for ld in loads)
-    dup = sum(o.duplicated for o in outcomes) + sum(ld.duplicated for ld in loads)
-    injected = sum(o.injected for o in outcomes)
-    survived = sum(o.survived for o in outcomes)
-    tried, rejected = len(bad_rows), sum(b["rejected"] for b in bad_rows)
-    res.claims += [
-        Claim("trajectories_lost", paper=0, measured=lost, unit="trajectories", holds=lost == 0,
-              note=f"over {len(outcomes)} fault scenarios and {len(loads)} load runs"),
-        Claim("trajectories_duplicated", paper=0, measured=dup, unit="trajectories", holds=dup == 0,
-              note="delivered or trained more than once"),
-        Claim("faults_survived", paper=injected, measured=survived, unit="faults", holds=survived == injected,
-              note=f"{injected} injected: " + ", ".join(sorted({o.scenario for o in outcomes}))),
-        Claim("bad_input_rejected", paper=tried, measured=rejected, unit="cases", holds=rejected == tried,
-              note=f"categories {sorted({b['category'] for b in bad_rows})}; each with a message naming the "
-                   f"problem and nothing already stored lost"),
-    ]
-    for ld in loads:
-        res.claims.append(Claim(f"load_throughput_{ld.transport}", paper=None, measured=round(ld.throughput),
-                                unit="trajectories/s", holds=ld.lost == 0 and ld.duplicated == 0,
-                                note=f"{ld.trajectories} trajectories, {ld.producers} producers, {ld.ranks} ranks, "
-                                     f"checksums {'on' if cfg.load_checksums else 'off'}, {ld.wall_s:.1f} s"))
-        res.claims.append(Claim(f"memory_bounded_{ld.transport}", paper=ld.bound_trajectories,
-                                measured=ld.peak_unit_trajectories, unit="trajectories held",
-                                holds=ld.peak_unit_trajectories <= ld.bound_trajectories and ld.final_unit_bytes == 0,
-                                note=f"peak held by the units (sampled) vs (window + 2) mini-batches; "
-                                     f"{ld.final_unit_bytes} bytes left after the run"))
-    res.extra = {"faults": {"injected": injected, "survived": survived},
-                 "bad_input": {"tried": tried, "rejected": rejected,
-                               "categories": sorted({b["category"] for b in bad_rows})},
-                 "trajectories_lost": lost, "trajectories_duplicated": dup,
-                 "load": [{"transport": ld.transport, "trajectories": ld.trajectories,
-                           "throughput_traj_per_s": ld.throughput, "wall_s": ld.wall_s,
-                           "peak_unit_trajectories": ld.peak_unit_trajectories,
-                           "final_unit_bytes": ld.final_unit_bytes} for ld in loads],
-                 "wall_s": time.perf_counter() - t_start}
-    res.text = ("Faults are injected through typed plans (knittrans/runtime/faults.py, knittrans/dataplane/faults.py),"
-                " never by patching; docs/reliability.md states each recovery's semantics. Throughput is measured on "
-                "whatever machine runs this (2 shared cores in development) with tiny payloads: it measures the "
-                "data plane's per-trajectory overhead, not bandwidth (see the transfer table for bytes).\n")
-    return publish(res, cfg.logger, "reliability", config=cfg)
+
+def run(cfg: ReliabilityConf) -> dict:
+    from repro.logger import publish
+    from repro.results import Results
+
+    res = Results(table="reliability", out_dir=cfg.out_dir)
+    t0 = time.perf_counter()
+    rows = trials(cfg)
+    res.set_trials(rows)
+    for r in rows:
+        res.rows.append({"part": r.part, "scenario": r.scenario, "transport": r.transport, "class": r.fault_class,
+                         "injected": r.injected, "survived": r.survived, "trajectories": r.trajectories,
+                         "lost": r.lost, "duplicated": r.duplicated, "corrupted": r.corrupted,
+                         **({} if math.isnan(r.throughput) else {"throughput": round(r.throughput)}),
+                         **({} if math.isnan(r.rss_growth_b_per_traj) else
+                            {"rss_growth_b_per_traj": round(r.rss_growth_b_per_traj, 1),
+                             "peak_rss_growth_mb": round(r.peak_rss_growth_mb, 1)}),
+                         "note": r.note})
+    res.extra = {"wall_s": time.perf_counter() - t0}
+    res.text = ("Faults are injected through typed plans (knittrans/runtime/faults.py, knittrans/dataplane/faults.py) "
+                "and the chaos driver (workloads/chaos.py), never by patching; counted from what fired. "
+                "docs/reliability.md states each recovery's semantics. Throughput is measured with tiny payloads on "
+                "whatever machine runs this: the data plane's per-trajectory overhead, not bandwidth.\n")
+    return publish(res, cfg.logger, "reliability", config=cfg, seed=cfg.seed)
+
+
+def gate_trials() -> list[ReliabilityTrial]:
+    """CI size, in process only (Ray's chaos run is in tests/e2e/test_reliability_ray.py): data-plane scenarios,
+    a 1500-trajectory chaos run, the whole bad-input catalogue and a 20k-trajectory load (a few seconds)."""
+    cfg = ReliabilityConf(logger="none", load_trajectories=20_000, load_minibatch=500, transports=["inprocess"],
+                          runtime_faults=False, chaos_trajectories=1500, chaos_fault_rate=0.3)
+    return trials(cfg)
 
 
 @hydra.main(config_path="conf", config_name="reliability", version_base=None)

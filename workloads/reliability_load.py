@@ -57,6 +57,31 @@ class LoadResult:
     final_unit_bytes: int
     producers: int
     ranks: int
+    held_max: int = -1
+    """Most trajectories with live controller metadata at any admission after warm-up (compaction bounds it by
+    the producers' window; before compaction it was every trajectory ever put)."""
+    rss_growth_b_per_traj: float = float("nan")
+    """Process RSS growth from warm-up (10% of the mini-batches) to the end, per trajectory put after warm-up
+    (in-process only: controller, units, producers and consumers all live in this process)."""
+    peak_rss_growth_mb: float = float("nan")
+    """Peak RSS of this process over the run minus its RSS at the start (MiB)."""
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now (Linux /proc; 0 elsewhere)."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def _plan(n: int, mb: int) -> list[tuple[int, ...]]:
@@ -86,7 +111,8 @@ def load_inprocess(cfg: LoadConfig) -> LoadResult:
                          checksums=cfg.load_checksums)
     mbs = _plan(cfg.load_trajectories, cfg.load_minibatch)
     put_done = [[threading.Event() for _ in mbs] for _ in range(cfg.producers)]
-    delivered: list[list[int]] = [[] for _ in range(cfg.ranks)]
+    # per-rank delivery counts, preallocated: the accounting itself must not grow with the run (RSS is measured)
+    delivered = [np.zeros(cfg.load_trajectories, np.uint8) for _ in range(cfg.ranks)]
     errors: list[BaseException] = []
 
     def guard(fn):  # noqa: ANN001, ANN202
@@ -99,17 +125,21 @@ def load_inprocess(cfg: LoadConfig) -> LoadResult:
 
     def consume(r: int) -> None:
         for share in Prefetcher(dp.client(), r, None, PrefetchConfig(depth=1, admit_timeout_s=300), count=len(mbs)):
-            delivered[r].extend(share.traj_ids)
+            delivered[r][np.asarray(share.traj_ids, dtype=np.int64)] += 1
 
     threads = [threading.Thread(target=guard(lambda p=p: _produce(dp.client(f"u{p}"), dp.controller, p,
                                                                   cfg.producers, mbs, cfg.window,
                                                                   on_put=lambda k, p=p: put_done[p][k].set())))
                for p in range(cfg.producers)]
     threads += [threading.Thread(target=guard(lambda r=r: consume(r))) for r in range(cfg.ranks)]
+    rss0 = rss_bytes()
     t0 = time.perf_counter()
     for th in threads:
         th.start()
     peak = 0
+    held = 0
+    warm = max(1, len(mbs) // 10)
+    rss_warm = 0
     for k, ids in enumerate(mbs):
         for p in range(cfg.producers):
             while not put_done[p][k].wait(1.0):
@@ -117,17 +147,24 @@ def load_inprocess(cfg: LoadConfig) -> LoadResult:
                     raise errors[0]
         dp.controller.admit(MiniBatch(0, k, ids, (k,), 0))
         peak = max(peak, sum(u.stats().num_trajectories for u in dp.units.values()))
+        if k == warm:
+            rss_warm = rss_bytes()
+        if k >= warm:
+            held = max(held, dp.controller.stats().held)
     for th in threads:
-        th.join()
+        th.join(timeout=600)
     wall = time.perf_counter() - t0
     if errors:
         raise errors[0]
-    flat = [t for d in delivered for t in d]
-    lost, dup = count(flat, set(range(cfg.load_trajectories)))
+    rss_end = rss_bytes()
+    total = sum(d.astype(np.int64) for d in delivered)
+    lost, dup = int((total == 0).sum()), int(np.clip(total - 1, 0, None).sum())
     final = sum(u.stats().nbytes for u in dp.units.values())
     dp.close()
-    return LoadResult("inprocess", cfg.load_trajectories, len(flat), lost, dup, wall, cfg.load_trajectories / wall,
-                      peak, (cfg.window + 2) * cfg.load_minibatch, final, cfg.producers, cfg.ranks)
+    after = sum(len(ids) for ids in mbs[warm:])
+    return LoadResult("inprocess", cfg.load_trajectories, int(total.sum()), lost, dup, wall,
+                      cfg.load_trajectories / wall, peak, (cfg.window + 2) * cfg.load_minibatch, final, cfg.producers,
+                      cfg.ranks, held, (rss_end - rss_warm) / max(1, after), (peak_rss_bytes() - rss0) / 2**20)
 
 
 def load_ray(cfg: LoadConfig) -> LoadResult:
@@ -150,12 +187,14 @@ def load_ray(cfg: LoadConfig) -> LoadResult:
     refs = [[a.put_minibatch.remote(p, cfg.producers, k, mbs[k], cfg.window) for k in range(len(mbs))]
             for p, a in enumerate(producers)]
     driver = dp.client()
-    peak = 0
+    peak = held = 0
     for k, ids in enumerate(mbs):
         ray.get([refs[p][k] for p in range(cfg.producers)])
         driver.admit(MiniBatch(0, k, ids, (k,), 0))
         if k % 10 == 0:
             peak = max(peak, sum(s.num_trajectories for s in dp.unit_stats()))
+            if k >= len(mbs) // 10:
+                held = max(held, dp.controller_stats().held)
     results = ray.get(runs, timeout=600)
     wall = time.perf_counter() - t0
     flat = [t for ids in results for t in ids]
@@ -166,7 +205,7 @@ def load_ray(cfg: LoadConfig) -> LoadResult:
         ray.kill(a)
     dp.close()
     return LoadResult("ray", cfg.load_trajectories, len(flat), lost, dup, wall, cfg.load_trajectories / wall, peak,
-                      (cfg.window + 2) * cfg.load_minibatch, final, cfg.producers, cfg.ranks)
+                      (cfg.window + 2) * cfg.load_minibatch, final, cfg.producers, cfg.ranks, held)
 
 
 def _ray_actors():  # noqa: ANN202 - defined lazily so importing this module never needs Ray

@@ -67,6 +67,14 @@ def validate_payload(schema: TrajectorySchema, p: TrajectoryPayload) -> dict[str
     return out
 
 
+def stored_copy(arr: np.ndarray) -> np.ndarray:
+    """The unit's own read-only copy of a field (copy on put: what the producer does with its buffer afterwards,
+    and what a reader does with what it got, can never change stored bytes)."""
+    own = np.array(arr, copy=True, order="C")
+    own.flags.writeable = False
+    return own
+
+
 class StorageUnit:
     """Holds ``traj_id -> field -> array``; the in-process transport uses it directly, the Ray transport wraps
     it in an actor (``knittrans.dataplane.ray_transport``)."""
@@ -107,11 +115,7 @@ class StorageUnit:
             for p, arrs, new in zip(payloads, checked, fresh):
                 # Copy on put: a producer that reuses or edits its buffer after put() cannot change stored bytes
                 # (one copy per field; the stored copy is read-only, so no reader can edit it in place either).
-                stored = {}
-                for name, arr in new.items():
-                    own = np.array(arr, copy=True, order="C")
-                    own.flags.writeable = False
-                    stored[name] = own
+                stored = {name: stored_copy(arr) for name, arr in new.items()}
                 self._data.setdefault(p.traj_id, {}).update(stored)
                 tok = arrs.get(self.schema.token_field)
                 sums = p.checksums or {}
