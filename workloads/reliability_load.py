@@ -263,7 +263,8 @@ def ray_init() -> None:
 
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Authentication: Ray's own default (token auth for local clusters from Ray 2.59; docs/dataplane.md,
+    # multi-node). The Makefile's throw-away offline cluster disables it explicitly; this never forces it off.
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if not ray.is_initialized():
         ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False, configure_logging=False)

@@ -120,3 +120,16 @@ def test_small_concurrent_load_on_ray_is_exact_and_frees_storage(ray_local):
     res = load_ray(LoadConfig(load_trajectories=3000, load_minibatch=250, window=2))
     assert res.lost == 0 and res.duplicated == 0 and res.delivered == 3000
     assert res.final_unit_bytes == 0 and res.peak_unit_trajectories <= res.bound_trajectories
+
+
+def test_chaos_on_ray_trains_every_trajectory_exactly_once_with_its_bytes(ray_local):
+    """The chaos driver on actors (short): random faults from every class, exact accounting, every byte checked."""
+    from workloads.chaos import CLASSES, ChaosConfig, run_chaos
+
+    units = {"u0": "n0", "u1": "n1", "u2": "n2"}
+    r = run_chaos("ray", lambda plan: build_ray(TEXT_SCHEMA, units, RANKS, checksums=True, faults=plan),
+                  lambda dp, u: ray.get(dp.unit_actors[u].restart.remote(), timeout=30),
+                  ChaosConfig(trajectories=300, minibatch=30, seed=1, fault_rate=0.3, timeout_s=30))
+    assert (r.trained, r.lost, r.duplicated, r.corrupted) == (300, 0, 0, 0)
+    assert dict(r.survived) == dict(r.injected)
+    assert {CLASSES[k] for k in r.injected} == {"lost_data", "retries", "corruption", "hang"}
