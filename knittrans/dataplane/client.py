@@ -42,10 +42,13 @@ class ControllerAPI(Protocol):
     def register(self, records: Sequence[PutRecord]) -> tuple[int, ...] | None: ...
     def admit(self, mb: MiniBatch) -> AdmittedMiniBatch: ...
     def next_admitted(self, seq: int, timeout: float | None = None) -> AdmittedMiniBatch: ...
-    def claim(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> ShareLocation: ...
-    def claim_next(self, seq: int, rank: int, fields: Sequence[str],
-                   timeout: float | None = None) -> ShareLocation: ...
-    def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> tuple[tuple[str, tuple[int, ...]], ...]: ...
+    def claim(self, key: MiniBatchKey, rank: int, fields: Sequence[str],
+              epoch: int | None = None) -> ShareLocation: ...
+    def claim_next(self, seq: int, rank: int, fields: Sequence[str], timeout: float | None = None,
+                   epoch: int | None = None) -> ShareLocation: ...
+    def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str],
+            epoch: int | None = None) -> tuple[tuple[str, tuple[int, ...]], ...]: ...
+    def rank_epoch(self, rank: int) -> int: ...
     # faults and recovery (knittrans.dataplane.faults, docs/reliability.md)
     def lose_unit(self, unit_id: str) -> tuple[int, ...]: ...
     def missing(self) -> tuple[int, ...]: ...
@@ -145,7 +148,7 @@ def pack_share(loc: ShareLocation, chunks: Sequence[UnitChunk], schema: Trajecto
             tensor = tensor.pin_memory()
         out[name] = PackedField(name, tensor, cu)
     return PackedShare(key=loc.key, rank=loc.rank, traj_ids=loc.traj_ids, fields=out, nbytes=loc.nbytes,
-                       num_tokens=tokens, seq=loc.seq, group_ids=loc.group_ids)
+                       num_tokens=tokens, seq=loc.seq, group_ids=loc.group_ids, epoch=loc.epoch)
 
 
 @dataclass
@@ -226,7 +229,7 @@ class DataPlaneClient:
         return self._deliver(loc, t0, ack)
 
     def fetch_next(self, seq: int, rank: int, fields: Sequence[str] | None = None,
-                   timeout: float | None = None, ack: bool = True) -> PackedShare:
+                   timeout: float | None = None, ack: bool = True, epoch: int | None = None) -> PackedShare:
         """Rank ``rank``'s share of the ``seq``-th admitted mini-batch, waiting (up to ``timeout``) for its
         admission; ``TimeoutError`` (nothing claimed) if it is not admitted in time. What the prefetcher runs."""
         names = tuple(fields) if fields is not None else self.schema.names
@@ -235,13 +238,16 @@ class DataPlaneClient:
         if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
             raise SchemaMismatchError(f"seq must be an int >= 0 (the admission order), got {seq!r}")
         t0 = time.perf_counter()
-        loc = self.controller.claim_next(seq, rank, names, timeout)
+        loc = self.controller.claim_next(seq, rank, names, timeout) if epoch is None else \
+            self.controller.claim_next(seq, rank, names, timeout, epoch)
         return self._deliver(loc, t0, ack)
 
     def ack(self, share: PackedShare) -> None:
         """Acknowledge a share fetched with ``ack=False`` (the rank has stepped on it); fully consumed
         trajectories are then dropped at their units."""
-        for unit_id, ts in self.controller.ack(share.key, share.rank, tuple(share.fields)):
+        acked = self.controller.ack(share.key, share.rank, tuple(share.fields)) if share.epoch < 0 else \
+            self.controller.ack(share.key, share.rank, tuple(share.fields), share.epoch)
+        for unit_id, ts in acked:
             self.units[unit_id].drop(ts)
 
     def _pack(self, loc: ShareLocation, chunks: Sequence[UnitChunk]) -> PackedShare:
@@ -266,7 +272,8 @@ class DataPlaneClient:
         t3 = time.perf_counter()
         self.last_timing = FetchTiming(t1 - t0, t2 - t1, t3 - t2)
         if ack:
-            for unit_id, ts in self.controller.ack(loc.key, loc.rank, loc.fields):
+            for unit_id, ts in self.controller.ack(loc.key, loc.rank, loc.fields,
+                                                   *(() if loc.epoch < 0 else (loc.epoch,))):
                 self.units[unit_id].drop(ts)
         return share
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 from knittrans.dataplane.assign import ShareItem, assign_shares
 from knittrans.dataplane.idset import IdRanges
 from knittrans.dataplane.types import (AdmissionStateError, AdmittedMiniBatch, AlreadyConsumedError,
-                                       DataLostError, DataPlaneClosedError, DuplicatePutError, EndOfStream,
+                                       DataLostError, DataPlaneClosedError, DuplicatePutError, EndOfStream, FencedError,
                                        FieldNotProducedError, MiniBatchKey, PutRecord, ShareLocation,
                                        TrajectorySchema, UnknownMiniBatchError)
 from knittrans.types import BatchPlan, MiniBatch, Trajectory
@@ -153,6 +153,7 @@ class Controller:
         self._missing: set[int] = set()
         self._units_lost = 0
         self._discarded = 0
+        self._epochs: dict[int, int] = {}  # rank -> incarnation (recover_rank bumps it)
         # Compaction (bounded memory): a released mini-batch's trajectories leave ``_trajs`` and the mini-batch
         # leaves ``_mbs``; what stays is their ids as ranges, the released keys (one per step), and -- when
         # ``keep_records`` -- one columnar record row per trajectory that carried metadata.
@@ -413,10 +414,11 @@ class Controller:
 
     # -- consumption -----------------------------------------------------------------------------------------
 
-    def claim(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> ShareLocation:
+    def claim(self, key: MiniBatchKey, rank: int, fields: Sequence[str], epoch: int | None = None) -> ShareLocation:
         """Hand rank ``rank`` the locations of its share's ``fields``, exactly once per (mini-batch, rank,
-        field)."""
+        field). ``epoch``: the claimer's incarnation (``rank_epoch``); a superseded one raises ``FencedError``."""
         with self._cv:
+            self._check_epoch(rank, epoch, f"claim of {key}")
             st = self._mbs.get(key)
             if st is None:
                 self._raise_released(key)
@@ -453,9 +455,11 @@ class Controller:
             return ShareLocation(key=key, rank=rank, traj_ids=traj_ids,
                                  unit_ids=tuple(self._trajs[t].unit_id or "" for t in traj_ids),
                                  fields=tuple(fields), nbytes=nbytes, checksums=sums, seq=st.admitted.seq,
-                                 group_ids=st.admitted.group_ids)
+                                 group_ids=st.admitted.group_ids,
+                                 epoch=-1 if epoch is None else epoch)
 
-    def claim_next(self, seq: int, rank: int, fields: Sequence[str], timeout: float | None = None) -> ShareLocation:
+    def claim_next(self, seq: int, rank: int, fields: Sequence[str], timeout: float | None = None,
+                   epoch: int | None = None) -> ShareLocation:
         """Wait for the ``seq``-th admitted mini-batch, then claim rank ``rank``'s share of it (one round trip
         for a prefetcher on a remote controller). ``TimeoutError`` if it is not admitted in time; nothing is
         claimed then."""
@@ -467,12 +471,15 @@ class Controller:
                 if not ok:
                     raise TimeoutError(f"mini-batch #{seq} rank {rank}: lost trajectories not re-put within "
                                        f"{timeout} s")
-        return self.claim(adm.key, rank, fields)
+        return self.claim(adm.key, rank, fields, epoch)
 
-    def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str],
+            epoch: int | None = None) -> tuple[tuple[str, tuple[int, ...]], ...]:
         """Rank ``rank`` holds its ``fields``. Returns ``(unit_id, traj_ids)`` pairs the units may now drop:
-        non-empty exactly once, when the last rank acks the last produced field of the mini-batch."""
+        non-empty exactly once, when the last rank acks the last produced field of the mini-batch. A superseded
+        ``epoch`` (a zombie of a recovered rank) raises ``FencedError``."""
         with self._cv:
+            self._check_epoch(rank, epoch, f"ack of {key}")
             st = self._mbs.get(key)
             if st is None:
                 if key in self._released_keys:
@@ -639,6 +646,7 @@ class Controller:
         return the admission sequence number it must resume from (its first mini-batch not fully acked)."""
         with self._cv:
             self._check_rank(rank)
+            self._epochs[rank] = self._epochs.get(rank, 0) + 1  # fences off the old incarnation's claims and acks
             resume = len(self._log)
             for seq, key in enumerate(self._log):
                 st = self._mbs.get(key)
@@ -650,6 +658,18 @@ class Controller:
                     resume = seq
             self._cv.notify_all()
             return resume
+
+    def rank_epoch(self, rank: int) -> int:
+        """Rank ``rank``'s current incarnation: 0 at start, +1 at every ``recover_rank``. A consumer reads it once
+        when it starts and passes it with every claim and ack (fencing, see ``FencedError``)."""
+        with self._cv:
+            self._check_rank(rank)
+            return self._epochs.get(rank, 0)
+
+    def _check_epoch(self, rank: int, epoch: int | None, what: str) -> None:
+        if epoch is not None and epoch != self._epochs.get(rank, 0):
+            raise FencedError(f"{what} by rank {rank} incarnation {epoch}: recover_rank superseded it (now "
+                              f"{self._epochs.get(rank, 0)}); a zombie of a crashed rank may not claim or ack")
 
     def _check_rank(self, rank: object) -> None:
         if not isinstance(rank, int) or isinstance(rank, bool):  # True would read rank 1's share

@@ -28,6 +28,7 @@ at the configured put / get counts.
 from __future__ import annotations
 
 import threading
+import time
 import zlib
 from dataclasses import dataclass, replace
 from typing import Callable, Generic, Mapping, Sequence, TypeVar, Union
@@ -116,7 +117,16 @@ class CorruptPut:
     field: str
 
 
-Fault = Union[UnitLoss, CorruptGet, CorruptPut]
+@dataclass(frozen=True)
+class SlowGet:
+    """The ``on_get``-th get of unit ``unit_id`` hangs for ``seconds`` before answering (a unit stuck in a read)."""
+
+    unit_id: str
+    on_get: int
+    seconds: float
+
+
+Fault = Union[UnitLoss, CorruptGet, CorruptPut, SlowGet]
 
 
 @dataclass(frozen=True)
@@ -187,6 +197,9 @@ class FaultyUnit:
             self._check_alive()
             self._gets += 1
             corrupt = self._fire(CorruptGet, self._gets)
+            slow = self._fire(SlowGet, self._gets)
+        for s in slow:
+            time.sleep(s.seconds)  # the injected hang itself (nothing waits on it: it is what a reader must survive)
         chunk = self.inner.get(traj_ids, fields)
         for c in corrupt:
             if c.field in chunk.fields:

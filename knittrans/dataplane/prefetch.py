@@ -99,6 +99,9 @@ class Prefetcher:
     def _run(self) -> None:
         seq = self.start_seq
         try:
+            # This incarnation of the rank: after a crash, recover_rank supersedes it, and a zombie of this
+            # prefetcher can then neither claim the new incarnation's share nor ack one (FencedError).
+            self._epoch = self.client.controller.rank_epoch(self.rank)
             while not self._stop.is_set() and (self.count is None or seq < self.start_seq + self.count):
                 t_wait = time.perf_counter()
                 share = self._fetch_when_admitted(seq)
@@ -126,7 +129,7 @@ class Prefetcher:
                                    f"{self.config.admit_timeout_s} s")
             try:
                 return self.client.fetch_next(seq, self.rank, self.fields, timeout=left,
-                                              ack=self.config.ack_on_fetch)
+                                              ack=self.config.ack_on_fetch, epoch=self._epoch)
             except TimeoutError:
                 continue
         return None

@@ -84,6 +84,15 @@ class ShareTooLargeError(DataPlaneError):
     """A share whose packed rows overflow the int32 ``cu_seqlens`` of the varlen kernels."""
 
 
+class FencedError(DataPlaneError):
+    """A claim or ack from a rank incarnation that ``recover_rank`` superseded (a zombie prefetcher of the crashed
+    rank): refused, so it can never take or release the new incarnation's mini-batch."""
+
+
+class ReadTimeoutError(DataPlaneError):
+    """A unit did not answer a read within its deadline; the claim was undone (retry, or report the unit lost)."""
+
+
 class DataPlaneClosedError(RuntimeError):
     """The data plane was closed while a caller waited on it."""
 
@@ -260,6 +269,7 @@ class ShareLocation:
     checksums: tuple[tuple[int | None, ...], ...] = ()  # checksums[f][i]: field f of traj_ids[i]; () when none
     seq: int = -1  # the mini-batch's admission order (its training step), -1 when unknown
     group_ids: tuple[int, ...] = ()  # every group of the mini-batch (all ranks' shares together)
+    epoch: int = -1  # the rank incarnation that claimed it (``Controller.rank_epoch``); -1: unfenced
 
 
 @dataclass(frozen=True)
@@ -302,6 +312,8 @@ class PackedShare:
     """The mini-batch's admission order: the policy version of the step that trains on it (``v_train``)."""
     group_ids: tuple[int, ...] = ()
     """Every group of the mini-batch (all ranks' shares): what a step's completion releases from flow control."""
+    epoch: int = -1
+    """The rank incarnation that claimed it (-1: unfenced); its ack carries it."""
 
     def __getitem__(self, name: str) -> torch.Tensor:
         try:

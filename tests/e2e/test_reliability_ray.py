@@ -133,3 +133,31 @@ def test_chaos_on_ray_trains_every_trajectory_exactly_once_with_its_bytes(ray_lo
     assert (r.trained, r.lost, r.duplicated, r.corrupted) == (300, 0, 0, 0)
     assert dict(r.survived) == dict(r.injected)
     assert {CLASSES[k] for k in r.injected} == {"lost_data", "retries", "corruption", "hang"}
+
+
+def test_a_unit_hung_in_get_ends_the_read_at_its_deadline_and_undoes_the_claim(ray_local):
+    """A read has a deadline on Ray: a unit that never answers raises ReadTimeoutError (the claim is undone, so a
+    retry after the unit recovers gets the share) instead of blocking the rank for ever."""
+    import dataclasses
+    import time
+
+    from knittrans.dataplane.types import ReadTimeoutError
+
+    from knittrans.dataplane.faults import SlowGet
+
+    dp = dataclasses.replace(build_ray(TEXT_SCHEMA, {"u0": "n0"}, ("n0",), faults=FaultPlan((SlowGet("u0", 1, 4.0),))),
+                             read_timeout_s=1.0)
+    try:
+        c = dp.client("u0")
+        batch = _batch(seed=2)
+        c.put([t.payload() for t in batch.trajectories[:4]])
+        mb = MiniBatch(0, 0, tuple(t.traj_id for t in batch.trajectories[:4]), (0,), 0)
+        c.admit(mb)
+        t0 = time.perf_counter()
+        with pytest.raises(ReadTimeoutError, match="did not answer a read within"):
+            c.fetch(mb, 0)
+        assert time.perf_counter() - t0 < 3.5  # ended at its deadline, not when the unit woke up
+        time.sleep(3.0)  # the unit wakes up; its late answer is discarded
+        assert c.fetch(mb, 0).traj_ids == mb.traj_ids  # the claim was undone: the retry gets the whole share
+    finally:
+        dp.close()

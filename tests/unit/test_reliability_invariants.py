@@ -228,3 +228,27 @@ def test_controller_memory_is_flat_after_warm_up():
     assert grown / 10_000 < 40, f"controller state grew {grown / 10_000:.0f} B per trajectory after warm-up"
     with pytest.raises(DuplicatePutError, match="trajectory 5 was consumed and released"):
         c.put([TrajectoryPayload(5, {"ids": ids})])  # a compacted id still refuses a second training
+
+
+# -- hangs and fencing ----------------------------------------------------------------------------------------------
+
+
+def test_a_zombie_prefetcher_of_a_recovered_rank_can_neither_claim_nor_ack():
+    from knittrans.dataplane.types import FencedError
+
+    dp = build_inprocess(TEXT_SCHEMA, UNITS, ("n0",))
+    dp.client("u0").put([_traj(t) for t in range(4)])
+    for k in range(2):
+        dp.client().admit(MiniBatch(0, k, (2 * k, 2 * k + 1), (k,), 0))
+    old = dp.client()
+    epoch = dp.controller.rank_epoch(0)
+    held = old.fetch_next(0, 0, timeout=5, ack=False, epoch=epoch)  # the old incarnation, then it "crashes"
+    assert dp.controller.recover_rank(0) == 0
+    with pytest.raises(FencedError, match="rank 0 incarnation 0"):
+        old.fetch_next(1, 0, timeout=5, ack=False, epoch=epoch)  # the zombie's next claim is refused
+    with pytest.raises(FencedError):
+        old.ack(held)  # and so is its ack of the share it held
+    new = dp.client()
+    e1 = dp.controller.rank_epoch(0)
+    got = [new.fetch_next(k, 0, timeout=5, epoch=e1).traj_ids for k in range(2)]
+    assert got == [(0, 1), (2, 3)] and dp.controller.stats().released_minibatches == 2
