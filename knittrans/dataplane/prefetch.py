@@ -191,7 +191,7 @@ class Prefetcher:
                 yield self.next()
             except StopIteration:
                 return
-        # A loop left by an exception (a crash in the step) never reaches here: its share stays unacked.
+            # (a loop left by an exception -- a crash in the step -- never asks again: its share stays unacked)
 
     def close(self) -> None:
         """Stop the worker after its current fetch (a share it already claimed is dropped with it)."""
