@@ -30,10 +30,9 @@ import ray
 from knittrans.dataplane.client import DataPlaneClient, PrepareConfig
 from knittrans.dataplane.controller import Controller, ControllerConfig, ControllerStats, HandoffRecord
 from knittrans.dataplane.storage import StorageUnit, UnitStats
-from knittrans.dataplane.types import (AdmittedMiniBatch, DataPlaneClosedError, DataPlaneError, MiniBatchKey,
-                                       PutRecord, ReadTimeoutError, ShareLocation, TrajectoryPayload, TrajectorySchema,
-                                       UnitChunk,
-                                       UnitLostError)
+from knittrans.dataplane.types import (AdmittedMiniBatch, ControllerLostError, DataPlaneClosedError, DataPlaneError,
+                                       MiniBatchKey, PutRecord, ReadTimeoutError, ShareLocation, TrajectoryPayload,
+                                       TrajectorySchema, UnitChunk, UnitLostError)
 from knittrans.types import BatchPlan, MiniBatch
 
 if TYPE_CHECKING:
@@ -198,7 +197,8 @@ def _call(ref: "ray.ObjectRef", unit_id: str | None = None, timeout: float | Non
     except ray.exceptions.RayActorError as e:
         if unit_id is not None:
             raise UnitLostError(unit_id, f"its actor died ({type(e).__name__})") from None
-        raise
+        raise ControllerLostError(f"the data plane's controller actor died ({type(e).__name__}): its metadata is "
+                                  f"lost; stop and restart the handoff (no controller restart yet)") from None
 
 
 @dataclass(frozen=True)

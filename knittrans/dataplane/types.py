@@ -93,6 +93,11 @@ class ReadTimeoutError(DataPlaneError):
     """A unit did not answer a read within its deadline; the claim was undone (retry, or report the unit lost)."""
 
 
+class ControllerLostError(DataPlaneError):
+    """The controller (on Ray: its actor) died: the metadata of what is stored, admitted and consumed is gone.
+    Not recoverable in place (no controller restart yet, docs/reliability.md); stop and restart the handoff."""
+
+
 class DataPlaneClosedError(RuntimeError):
     """The data plane was closed while a caller waited on it."""
 

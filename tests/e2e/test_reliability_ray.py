@@ -161,3 +161,16 @@ def test_a_unit_hung_in_get_ends_the_read_at_its_deadline_and_undoes_the_claim(r
         assert c.fetch(mb, 0).traj_ids == mb.traj_ids  # the claim was undone: the retry gets the whole share
     finally:
         dp.close()
+
+
+def test_a_dead_controller_actor_is_a_typed_error_not_a_raw_actor_error(ray_local):
+    from knittrans.dataplane.types import ControllerLostError
+
+    dp = build_ray(TEXT_SCHEMA, {"u0": "n0"}, ("n0",))
+    try:
+        ray.kill(dp.controller_actor)
+        with pytest.raises(ControllerLostError, match="controller actor died"):
+            dp.client("u0").put([TrajectoryPayload(0, {"input_ids": np.arange(3)})])
+    finally:
+        for a in dp.unit_actors.values():
+            ray.kill(a)
