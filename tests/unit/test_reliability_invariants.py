@@ -252,3 +252,17 @@ def test_a_zombie_prefetcher_of_a_recovered_rank_can_neither_claim_nor_ack():
     e1 = dp.controller.rank_epoch(0)
     got = [new.fetch_next(k, 0, timeout=5, epoch=e1).traj_ids for k in range(2)]
     assert got == [(0, 1), (2, 3)] and dp.controller.stats().released_minibatches == 2
+
+
+def test_encoding_store_remembers_consumed_ids_in_flat_memory():
+    from knittrans.mmdedup.store import EncodingStore, EncodingStoreError
+
+    store = EncodingStore()
+    px = torch.randn(4, 8)
+    for t in range(2000):
+        store.register(t, [px])
+    for lo in range(0, 2000, 100):
+        store.consume(range(lo + 99, lo - 1, -1))  # any order within a mini-batch
+    assert store._consumed.ranges == [(0, 2000)]  # noqa: SLF001 - one range, not 2000 set entries
+    with pytest.raises(EncodingStoreError, match="already registered \\(and consumed\\)"):
+        store.register(5, [px])
