@@ -112,6 +112,7 @@ class GreedyStreamingAdmission(LedgerPolicy):
         if self.ledger.order and self.ledger.order[0] == b.plan.batch_id:
             self.ledger.order.popleft()
         self._stats.ended_short += 1
+        self._stats.skipped_minibatches += missing
         if b.plan.batch_id not in self._dead:
             self._dead.add(b.plan.batch_id)
             self._stats.dead_ends += 1

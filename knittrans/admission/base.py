@@ -60,6 +60,7 @@ class AdmissionStats:
     dead_ends: int = 0  # batches that could not be finished within the constraints (greedy baseline only)
     violations: int = 0  # mini-batches that break a constraint (greedy baseline only)
     ended_short: int = 0  # batches used up before their M mini-batches, ended with fewer (greedy baseline only)
+    skipped_minibatches: int = 0  # the mini-batches those batches never had (a sealed stream ends that much earlier)
 
 
 @dataclass

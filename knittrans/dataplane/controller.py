@@ -395,14 +395,21 @@ class Controller:
             if self._failure is not None:
                 raise self._failure
             if self._ended(seq):
-                raise EndOfStream(f"the stream is sealed after {self._planned} mini-batches: there is no #{seq}")
+                raise EndOfStream(f"the stream is sealed after {self._planned_now()} mini-batches: there is no "
+                                  f"#{seq}")
             if self._closed:
                 raise DataPlaneClosedError(f"controller closed before mini-batch #{seq} was admitted")
             assert not ok
             raise TimeoutError(f"no mini-batch #{seq} admitted within {timeout} s")
 
     def _ended(self, seq: int) -> bool:
-        return self._sealed and self.policy is not None and seq >= self._planned
+        return self._sealed and self.policy is not None and seq >= self._planned_now()
+
+    def _planned_now(self) -> int:
+        """Mini-batches the announced batches will have: M each, less what a policy skipped when it ended a used-up
+        batch short (the greedy baseline; ``AdmissionStats.skipped_minibatches``)."""
+        assert self.policy is not None
+        return self._planned - getattr(self.policy.stats, "skipped_minibatches", 0)
 
     def admitted(self, key: MiniBatchKey) -> AdmittedMiniBatch:
         with self._cv:

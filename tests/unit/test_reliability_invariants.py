@@ -266,3 +266,25 @@ def test_encoding_store_remembers_consumed_ids_in_flat_memory():
     assert store._consumed.ranges == [(0, 2000)]  # noqa: SLF001 - one range, not 2000 set entries
     with pytest.raises(EncodingStoreError, match="already registered \\(and consumed\\)"):
         store.register(5, [px])
+
+
+def test_a_sealed_greedy_handoff_ends_after_a_batch_ended_short_instead_of_waiting():
+    from baselines.admission import make_policy
+    from knittrans.handoff import Handoff, HandoffConfig, Rollout
+    from knittrans.types import BatchPlan, GroupSpec, Trajectory
+
+    cfg = HandoffConfig.grpo(prompts_per_batch=2, group_size=2, num_minibatches=2, max_response_len=8, size_slack=1,
+                             whole_groups=False, admit_timeout_s=10.0)
+    h = Handoff(cfg, policy=make_policy("greedy", cfg.constraints))
+    try:
+        h.add_batch(BatchPlan(0, (GroupSpec(0, 0, 2),)))  # one group of 2 in a batch of 4: greedy uses it up
+        h.seal()
+        h.put([Rollout(Trajectory(t, 0, 0, num_tokens=2, v_gen=0), _traj(t, resp=2).tensors) for t in range(2)])
+        consumer = h.consumer(0)
+        got = []
+        for share in consumer:  # ends (EndOfStream) instead of waiting 10 s for a step that never comes
+            got.append(share.traj_ids)
+            consumer.ack(share)
+        assert got == [(0, 1)]
+    finally:
+        h.close()
