@@ -149,7 +149,8 @@ def catalogue() -> list[BadInputCase]:
 
     T = Trajectory
     dp_tests = "tests/unit/test_dataplane.py::test_put_with_mismatched_schema_is_rejected_atomically"
-    adm_tests = "tests/unit/test_types_constraints.py::test_nothing_already_admitted_is_lost_when_a_bad_trajectory_arrives"
+    adm_tests = ("tests/unit/test_types_constraints.py::"
+                 "test_nothing_already_admitted_is_lost_when_a_bad_trajectory_arrives")
 
     def corrupt_get() -> Case:
         from knittrans.types import MiniBatch
@@ -204,20 +205,25 @@ def catalogue() -> list[BadInputCase]:
                                                                                                          np.uint8))),
         BadInputCase("constraints_indivisible", "constraints", ConstraintError, r"batch_size=8 is not a multiple of "
                      r"num_minibatches=3", _raises_only(lambda: BatchConstraints(8, 3, 10)),
-                     "tests/unit/test_types_constraints.py::test_unsatisfiable_constraint_sets_are_rejected_naming_the_field"),
-        BadInputCase("constraints_budget_below_one_response", "constraints", ConstraintError, r"token_budget=5 is below",
-                     _raises_only(lambda: BatchConstraints(8, 2, 10, token_budget=5))),
+                     "tests/unit/test_types_constraints.py::"
+                     "test_unsatisfiable_constraint_sets_are_rejected_naming_the_field"),
+        BadInputCase("constraints_budget_below_one_response", "constraints", ConstraintError,
+                     r"token_budget=5 is below", _raises_only(lambda: BatchConstraints(8, 2, 10, token_budget=5))),
         BadInputCase("constraints_dp_unsplittable", "constraints", ConstraintError, r"unsatisfiable constraint set",
                      _raises_only(lambda: BatchConstraints(8, 2, 10, group_size=4, dp_size=3))),
-        BadInputCase("budget_that_deadlocks", "constraints", RuntimeConfigError, r"would deadlock admission 'train_batch'",
-                     _raises_only(lambda: RuntimeConfig.for_system("train_batch", prompts_per_batch=8, inflight_groups=4)),
-                     "tests/unit/test_runtime_components.py::test_budget_that_would_deadlock_train_batch_admission_is_rejected"),
+        BadInputCase("budget_that_deadlocks", "constraints", RuntimeConfigError,
+                     r"would deadlock admission 'train_batch'",
+                     _raises_only(lambda: RuntimeConfig.for_system("train_batch", prompts_per_batch=8,
+                                                                   inflight_groups=4)),
+                     "tests/unit/test_runtime_components.py::"
+                     "test_budget_that_would_deadlock_train_batch_admission_is_rejected"),
         BadInputCase("corrupted_put", "transport", CorruptPayloadError, r"trajectory 60: field 'input_ids' is corrupt "
                      r"on put", _dp_case(lambda g: _payload(60, g[1].tensors), checksums=True,
                                          faults=FaultPlan((CorruptPut("u0", 2, "input_ids"),))),
                      "tests/e2e/test_reliability_ray.py (Ray transport)"),
         BadInputCase("corrupted_fetch", "transport", CorruptPayloadError, r"trajectory \d+: field 'advantages' is "
-                     r"corrupt on fetch from unit u0", corrupt_get, "tests/e2e/test_reliability_ray.py (Ray transport)"),
+                     r"corrupt on fetch from unit u0", corrupt_get,
+                     "tests/e2e/test_reliability_ray.py (Ray transport)"),
     ]
 
 
