@@ -1,6 +1,7 @@
 """The bad-input catalogue (``workloads.reliability_catalogue``): every kind of malformed input raises its typed
 error with a message naming the problem, and nothing already stored is lost. The same catalogue feeds the
-reliability table; ``covered_by`` points at the tests that go deeper (schema checks, the admission ledger, images, constraints)."""
+reliability table; ``covered_by`` points at the tests that go deeper (schema checks, the admission ledger,
+images, constraints)."""
 
 from __future__ import annotations
 
