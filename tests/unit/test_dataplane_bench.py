@@ -175,10 +175,13 @@ def test_inprocess_handoff_pass_delivers_each_batch_once_in_equal_shares_and_rel
         assert ctrl.completed == sum(len(d.rollouts) for d in datas)  # admission saw every completing put
         recs = h.records()
         assert sorted(r.traj_id for r in recs) == sorted(r.traj.traj_id for d in datas for r in d.rollouts)
-        for seq in range(6):  # each admitted mini-batch went to the ranks in equal counts, each trajectory once
-            adm = h.plane.controller.next_admitted(seq, timeout=1)
-            assert sorted(t for s in adm.shares for t in s) == sorted(adm.traj_ids)
-            assert {len(s) for s in adm.shares} == {len(adm.traj_ids) // layout.num_ranks}
+        # each of the 6 steps trained its mini-batch (released mini-batches are compacted out of the controller,
+        # so the per-rank shares are checked through the claims count above and the records here)
+        per_step = {}
+        for r in recs:
+            per_step[r.v_train] = per_step.get(r.v_train, 0) + 1
+        assert sorted(per_step) == list(range(6)) and all(r.released for r in recs)
+        assert all(n % layout.num_ranks == 0 for n in per_step.values())
         assert all(u.num_trajectories == 0 and u.nbytes == 0 for u in units)  # released at the units
     finally:
         sysm.close()

@@ -48,7 +48,7 @@ def test_text_exposed_gate_fails_when_the_consumer_stops_prefetching(ray_up, mon
     from repro.transfer import gate_trials
 
     inject.consumers_stop_prefetching(monkeypatch)
-    v = verdicts("transfer-text", gate_trials("transfer-text", passes=1))
+    v = verdicts("transfer-text", gate_trials("transfer-text"))  # the gate's 3 passes: one pass under load is noisy
     assert v["exposed_latency_ratio"].status is Status.FAILS, v["exposed_latency_ratio"].measured
 
 
