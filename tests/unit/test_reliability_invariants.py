@@ -288,3 +288,39 @@ def test_a_sealed_greedy_handoff_ends_after_a_batch_ended_short_instead_of_waiti
         assert got == [(0, 1)]
     finally:
         h.close()
+
+
+def test_a_retried_multimodal_put_of_identical_images_is_a_no_op_and_different_images_are_a_duplicate():
+    """Idempotent puts cover images too: a producer retrying an ``MMPayload`` whose first reply was lost (same
+    fields, same pixel bytes, same grids) changes nothing -- no new image reference, no new slot, the trajectory
+    trained once; different pixels or a different grid under the same id still raise ``DuplicatePutError`` and
+    leave the unit as it was."""
+    from knittrans.mmdedup.plane import MMPayload, build_mm_inprocess
+
+    dp = build_mm_inprocess({"u0": "n0"}, ("n0",))
+    c = dp.client("u0")
+    px = torch.randn(16, 8)
+
+    def mm(t, pixels=px, grid=(1, 4, 4)):
+        return MMPayload(t, dict(_traj(t).tensors), group=0, encodings=(pixels,), grids=(grid,))
+
+    c.put([mm(0), mm(1)])
+    before = (dp.controller.stats(), dp.units["u0"].stats(), dp.units["u0"].store.stats().live_refs,
+              dp.units["u0"].store.stats().live_slots)
+    c.put([mm(0), mm(1, px.clone())])  # lost reply: the producer retries (its own copy of the same bytes)
+    dp.units["u0"].put([mm(1)])  # ... or the unit got it but the register call was lost: the unit's no-op
+    c.put([mm(1)])
+    after = (dp.controller.stats(), dp.units["u0"].stats(), dp.units["u0"].store.stats().live_refs,
+             dp.units["u0"].store.stats().live_slots)
+    assert after == before and before[2:] == (2, 1)
+    for bad in (mm(0, px + 1), mm(0, grid=(1, 2, 8)), MMPayload(0, dict(_traj(0).tensors), group=0,
+                                                                  encodings=(px, px), grids=((1, 4, 4),) * 2)):
+        with pytest.raises(DuplicatePutError, match="images of trajectory 0 were already written with different"):
+            c.put([bad])
+    assert (dp.controller.stats(), dp.units["u0"].stats(), dp.units["u0"].store.stats().live_refs) == before[:3]
+    mb = MiniBatch(0, 0, (0, 1), (0,), 0)
+    c.admit(mb)
+    share = dp.client().fetch(mb, 0)
+    assert share.traj_ids == (0, 1) and share.image_ids == {0: (0,), 1: (0,)}
+    assert torch.equal(share.images.pixels[0], px) and share.images.grids == ((1, 4, 4),)
+    assert dp.live_bytes() == 0  # every reference released once: none leaked by the retries
