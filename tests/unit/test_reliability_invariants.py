@@ -3,6 +3,8 @@ silent corruption); each fails on the code before the fix."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -324,3 +326,64 @@ def test_a_retried_multimodal_put_of_identical_images_is_a_no_op_and_different_i
     assert share.traj_ids == (0, 1) and share.image_ids == {0: (0,), 1: (0,)}
     assert torch.equal(share.images.pixels[0], px) and share.images.grids == ((1, 4, 4),)
     assert dp.live_bytes() == 0  # every reference released once: none leaked by the retries
+
+
+# -- hangs ----------------------------------------------------------------------------------------------------------
+
+
+class _HangingUnit:
+    """A storage unit stuck in every ``get`` until ``release`` is set (bounded, so it never outlives the test)."""
+
+    def __init__(self, unit) -> None:
+        self.unit = unit
+        self.release = threading.Event()
+
+    def put(self, payloads):
+        return self.unit.put(payloads)
+
+    def get(self, traj_ids, fields):
+        self.release.wait(timeout=60.0)
+        return self.unit.get(traj_ids, fields)
+
+    def drop(self, traj_ids, fields=None):
+        return self.unit.drop(traj_ids, fields)
+
+
+def test_a_unit_hung_in_get_cannot_block_an_in_process_fetch_or_prefetcher_close():
+    """In-process reads have a deadline (``read_timeout_s``, as on Ray): a unit hung in ``get`` makes
+    ``fetch_next`` raise ``ReadTimeoutError`` naming the unit, with the claim undone, and a prefetcher's worker
+    ends with that error, so ``close`` returns; once the unit answers, the same share is read whole."""
+    from knittrans.dataplane.types import ReadTimeoutError
+
+    dp = build_inprocess(TEXT_SCHEMA, {"u0": "n0"}, ("n0",), read_timeout_s=0.2)
+    dp.client("u0").put([_traj(0), _traj(1)])
+    dp.client().admit(MiniBatch(0, 0, (0, 1), (0,), 0))
+    hung = dp.units["u0"] = _HangingUnit(dp.units["u0"])
+    try:
+        got: list[BaseException] = []
+
+        def fetch() -> None:
+            try:
+                dp.client().fetch_next(0, 0, timeout=5.0)
+            except BaseException as e:  # noqa: BLE001 - checked below
+                got.append(e)
+
+        th = threading.Thread(target=fetch, daemon=True)
+        th.start()
+        th.join(timeout=30.0)  # generous: the deadline is 0.2 s; without one this thread never ends
+        assert not th.is_alive(), "fetch_next blocked on a hung unit"
+        assert len(got) == 1 and isinstance(got[0], ReadTimeoutError) and "unit u0" in str(got[0])
+        pf = Prefetcher(dp.client(), 0, config=PrefetchConfig(admit_timeout_s=5.0)).start()
+        with pytest.raises(ReadTimeoutError, match="unit u0"):  # it could claim again: the claim was undone
+            pf.next(timeout=30.0)
+        closer = threading.Thread(target=pf.close, daemon=True)
+        closer.start()
+        closer.join(timeout=30.0)
+        assert not closer.is_alive() and not pf._thread.is_alive()  # the worker ended, not left hanging
+    finally:
+        hung.release.set()
+    dp.units["u0"] = hung.unit
+    share = dp.client().fetch_next(0, 0, timeout=5.0)
+    assert share.traj_ids == (0, 1)
+    for t, arr in _rows(share, "input_ids").items():
+        np.testing.assert_array_equal(arr, _traj(t).tensors["input_ids"])
