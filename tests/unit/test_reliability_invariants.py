@@ -387,3 +387,24 @@ def test_a_unit_hung_in_get_cannot_block_an_in_process_fetch_or_prefetcher_close
     assert share.traj_ids == (0, 1)
     for t, arr in _rows(share, "input_ids").items():
         np.testing.assert_array_equal(arr, _traj(t).tensors["input_ids"])
+
+
+# -- inputs ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_zero_length_response_error_names_only_the_empty_fields():
+    """The message names the field that is empty, not every field of its same-length group (a producer that
+    forgot its advantages must not be told its log-probs are empty)."""
+    from knittrans.dataplane import SchemaMismatchError
+
+    dp = build_inprocess(TEXT_SCHEMA, UNITS, ("n0",))
+    bad = _traj(0)
+    bad.tensors["advantages"] = np.zeros(0, np.float32)
+    with pytest.raises(SchemaMismatchError, match=r"zero-length response \(field\(s\) \['advantages'\] have 0 rows "
+                                                  r"of \{'old_logprobs': 3, 'advantages': 0, 'loss_mask': 3\}"):
+        dp.client("u0").put([bad])
+    empty = _traj(1, resp=0)
+    with pytest.raises(SchemaMismatchError, match=r"\(field\(s\) \['advantages', 'loss_mask', 'old_logprobs'\] "
+                                                  r"have 0 rows;"):
+        dp.client("u0").put([empty])
+    assert dp.controller.stats().trajectories == 0 and dp.units["u0"].stats().num_trajectories == 0
