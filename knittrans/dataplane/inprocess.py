@@ -2,21 +2,94 @@
 
 Zero-copy: a unit stores the producer's arrays by reference and hands the same arrays to the fetching rank,
 which packs them (the one copy a ready-to-use tensor needs). Producers and ranks are threads.
+
+Read deadlines (as on Ray, ``read_timeout_s``): a rank's reads run on a daemon reader thread and the rank waits
+for them up to the deadline; a unit hung in ``get`` then raises ``ReadTimeoutError`` (the claim is undone) instead
+of blocking ``fetch_next`` and ``Prefetcher.close`` for ever. The hung reader is abandoned (it is a daemon: it
+never holds up the interpreter's exit) and later reads use another one.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
-from knittrans.dataplane.client import DataPlaneClient, PrepareConfig
+from knittrans.dataplane.client import DataPlaneClient, PrepareConfig, UnitAPI
 from knittrans.dataplane.controller import Controller, ControllerConfig, ControllerStats
 from knittrans.dataplane.storage import StorageUnit, UnitStats
-from knittrans.dataplane.types import TrajectorySchema
+from knittrans.dataplane.types import ReadTimeoutError, TrajectorySchema, UnitChunk
 
 if TYPE_CHECKING:
     from knittrans.admission.base import AdmissionPolicy
     from knittrans.dataplane.faults import FaultPlan
+
+
+class _DaemonReaders:
+    """Runs unit reads on daemon threads, so a rank can stop waiting at its deadline. Hand-written because
+    ``concurrent.futures.ThreadPoolExecutor`` joins its workers at interpreter exit: one read hung for ever would
+    hang the exit too. An idle reader is reused (a read costs a queue hand-off, not a thread start); a hung one
+    never comes back, and the next read starts another."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue] = []
+
+    def submit(self, fn: Callable[[], object]) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            inbox = self._idle.pop() if self._idle else None
+        if inbox is None:
+            inbox = queue.SimpleQueue()
+            threading.Thread(target=self._loop, args=(inbox,), name="knittrans-unit-read", daemon=True).start()
+        inbox.put((fn, fut))
+        return fut
+
+    def _loop(self, inbox: queue.SimpleQueue) -> None:
+        while True:
+            fn, fut = inbox.get()
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting rank, which re-raises it
+                fut.set_exception(e)
+            del fn, fut  # drop the chunk: an idle reader must not keep a share's bytes alive
+            with self._lock:
+                self._idle.append(inbox)
+
+
+_READERS = _DaemonReaders()
+
+
+@dataclass(frozen=True)
+class DeadlineGetter:
+    """Reads a share's chunks from in-process units (one after another, as without a getter) within
+    ``read_timeout_s`` (all units together); past it ``ReadTimeoutError`` names the unit still reading, and the
+    client undoes the claim. None: read on the caller's thread, no deadline."""
+
+    units: Mapping[str, UnitAPI]
+    read_timeout_s: float | None = 300.0
+
+    def __call__(self, requests: Sequence[tuple[str, tuple[int, ...]]], fields: Sequence[str]) -> list[UnitChunk]:
+        if self.read_timeout_s is None:
+            return [self.units[u].get(ts, fields) for u, ts in requests]
+        at: list[str] = []  # the unit being read (named if the deadline passes)
+
+        def read() -> list[UnitChunk]:
+            out = []
+            for u, ts in requests:
+                at.append(u)
+                out.append(self.units[u].get(ts, fields))
+            return out
+
+        fut = _READERS.submit(read)
+        try:
+            return fut.result(timeout=self.read_timeout_s)
+        except FutureTimeout:
+            raise ReadTimeoutError(f"unit {at[-1] if at else '?'} did not answer a read within {self.read_timeout_s} "
+                                   f"s (the claim is undone; retry, or report the unit lost)") from None
 
 
 @dataclass
@@ -29,10 +102,14 @@ class InProcessDataPlane:
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     checksums: bool = False
     """Clients checksum every put and verify every fetch (``DataPlaneClient.checksums``)."""
+    read_timeout_s: float | None = 300.0
+    """Deadline of a rank's reads from units (as ``RayDataPlane.read_timeout_s``): a unit hung in ``get`` raises
+    ``ReadTimeoutError`` (the claim is undone) instead of blocking ``fetch_next`` and ``Prefetcher.close`` for
+    ever. None: reads run on the caller's thread without a deadline."""
 
     def client(self, local_unit: str | None = None) -> DataPlaneClient:
         return DataPlaneClient(self.controller, self.units, self.schema, local_unit, self.prepare,
-                               checksums=self.checksums)
+                               getter=DeadlineGetter(self.units, self.read_timeout_s), checksums=self.checksums)
 
     def wait_drained(self, timeout: float | None = None) -> int:
         """Drops happen inside ``ack`` on this transport (synchronously): nothing is ever pending."""
@@ -51,14 +128,15 @@ class InProcessDataPlane:
 def build_inprocess(schema: TrajectorySchema, unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...],
                     balance_slack: float = 0.05, equal_counts: bool = True,
                     prepare: PrepareConfig | None = None, checksums: bool = False,
-                    faults: "FaultPlan | None" = None, policy: "AdmissionPolicy | None" = None
-                    ) -> InProcessDataPlane:
+                    faults: "FaultPlan | None" = None, policy: "AdmissionPolicy | None" = None,
+                    read_timeout_s: float | None = 300.0) -> InProcessDataPlane:
     """One unit per ``unit_nodes`` entry (unit id -> node), ``len(rank_nodes)`` trainer ranks. ``faults``
-    (``knittrans.dataplane.faults.FaultPlan``) wraps the units it names in a ``FaultyUnit``; None: no wrapper."""
+    (``knittrans.dataplane.faults.FaultPlan``) wraps the units it names in a ``FaultyUnit``; None: no wrapper.
+    ``read_timeout_s``: ``InProcessDataPlane.read_timeout_s``."""
     ctrl = Controller(schema, unit_nodes, ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts), policy)
     units = {u: StorageUnit(u, n, schema) for u, n in unit_nodes.items()}
     if faults:
         from knittrans.dataplane.faults import FaultyUnit
 
         units = {u: FaultyUnit(unit, faults.for_unit(u)) if faults.for_unit(u) else unit for u, unit in units.items()}
-    return InProcessDataPlane(schema, ctrl, units, prepare or PrepareConfig(), checksums)
+    return InProcessDataPlane(schema, ctrl, units, prepare or PrepareConfig(), checksums, read_timeout_s)

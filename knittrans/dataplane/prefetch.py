@@ -92,8 +92,10 @@ class Prefetcher:
 
     def start(self) -> "Prefetcher":
         if not self._started:
-            self._started = True
+            # started only once the thread runs: a close() from another thread in between must not join a thread
+            # that is not started yet (RuntimeError); the worker checks the stop flag before its first claim
             self._thread.start()
+            self._started = True
         return self
 
     def _run(self) -> None:

@@ -54,9 +54,11 @@ def validate_payload(schema: TrajectorySchema, p: TrajectoryPayload) -> dict[str
                                   f"has at least one token)")
     for group in schema.same_length:
         lens = {n: int(out[n].shape[0]) for n in group if n in out}
-        if any(v == 0 for v in lens.values()):
-            raise SchemaMismatchError(f"trajectory {p.traj_id}: zero-length response (fields {sorted(lens)} have 0 "
-                                      f"rows; an empty generation carries nothing to train on)")
+        empty = sorted(n for n, v in lens.items() if v == 0)  # name only the empty fields, not the whole group
+        if empty:
+            raise SchemaMismatchError(f"trajectory {p.traj_id}: zero-length response (field(s) {empty} have 0 rows"
+                                      f"{'' if len(empty) == len(lens) else f' of {lens}'}; an empty generation "
+                                      f"carries nothing to train on)")
         if len(set(lens.values())) > 1:
             raise SchemaMismatchError(f"trajectory {p.traj_id}: fields of mismatched length {lens} (schema: "
                                       f"{list(group)} have one row per response token)")

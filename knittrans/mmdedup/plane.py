@@ -64,7 +64,7 @@ from knittrans.dataplane.types import (DuplicatePutError, FieldSpec, PackedShare
 from knittrans.mmdedup.gather import ImageSet
 from knittrans.mmdedup.keys import (EncodingInputError, HashFn, check_encoding, check_finite_pixels, check_grid,
                                     encoding_hash_fn)
-from knittrans.mmdedup.store import EncodingRef, EncodingStore, StoreStats
+from knittrans.mmdedup.store import EncodingRef, EncodingStore, StoreStats, same_bytes
 from knittrans.types import MiniBatch
 
 if TYPE_CHECKING:
@@ -168,12 +168,22 @@ class MMStorageUnit(StorageUnit):
             if isinstance(p, MMPayload):
                 validate_payload(self.schema, p)
                 _check_images(p)
-        mm = [p for p in payloads if isinstance(p, MMPayload) and p.traj_id not in later]
+        imaged = [p for p in payloads if isinstance(p, MMPayload) and p.traj_id not in later]
+        if len({p.traj_id for p in imaged}) != len(imaged):
+            raise DuplicatePutError(f"unit {self.unit_id}: images of trajectories {[p.traj_id for p in imaged]} "
+                                    f"appear twice in one put (each trajectory's images are put exactly once)")
+        # Idempotent puts (as for plain fields, ``StorageUnit.put``): a retry whose first reply was lost carries
+        # the images this unit already holds for that trajectory -- same bytes, same grids, same order -- and
+        # takes no new reference; its ``image_index`` is the stored one, so the field put below is a repeat too.
+        # Different images under the same id are a real duplicate.
         with self._occ_lock:
-            held = [p.traj_id for p in mm if p.traj_id in self._occ]
-        if held or len({p.traj_id for p in mm}) != len(mm):
-            raise DuplicatePutError(f"unit {self.unit_id}: images of trajectories {held or [p.traj_id for p in mm]} "
-                                    f"were already written (each trajectory's images are put exactly once)")
+            held = {p.traj_id: self._occ[p.traj_id] for p in imaged if p.traj_id in self._occ}
+        for p in imaged:
+            if p.traj_id in held and not self._same_images(held[p.traj_id], p):
+                raise DuplicatePutError(f"unit {self.unit_id}: images of trajectory {p.traj_id} were already written "
+                                        f"with different content or grids (each trajectory's images are put exactly "
+                                        f"once; an identical retry is a no-op)")
+        mm = [p for p in imaged if p.traj_id not in held]
         flat = self.store.put([e for p in mm for e in p.encodings])  # one call: each shared view hashed once
         refs, at = [], 0
         for p in mm:
@@ -181,6 +191,8 @@ class MMStorageUnit(StorageUnit):
             at += len(p.encodings)
         index = {p.traj_id: np.fromiter((r.slot for r in rs), dtype=np.int64, count=len(rs))
                  for p, rs in zip(mm, refs)}
+        index.update({t: np.fromiter((r.slot for r, _ in occ), dtype=np.int64, count=len(occ))
+                      for t, occ in held.items()})
         full = [TrajectoryPayload(**{**{f.name: getattr(p, f.name) for f in dc_fields(TrajectoryPayload)},
                                      "tensors": {**p.tensors, IMAGE_FIELD: index[p.traj_id]}})
                 if p.traj_id in index else p for p in payloads]
@@ -190,11 +202,26 @@ class MMStorageUnit(StorageUnit):
             self.store.release([r for rs in refs for r in rs])
             raise
         with self._occ_lock:
+            raced = []
             for p, rs in zip(mm, refs):
-                self._occ[p.traj_id] = tuple(zip(rs, (tuple(int(x) for x in g) for g in p.grids)))
+                if p.traj_id in self._occ:  # a concurrent identical put recorded them first: ours are extra refs
+                    raced += rs
+                else:
+                    self._occ[p.traj_id] = tuple(zip(rs, (tuple(int(x) for x in g) for g in p.grids)))
+        if raced:
+            self.store.release(raced)
         groups = {p.traj_id: p.group for p in payloads if isinstance(p, MMPayload)}
         return [MMPutRecord(**{f.name: getattr(r, f.name) for f in dc_fields(r)}, group=groups.get(r.traj_id))
                 for r in records]
+
+    def _same_images(self, occ: tuple[tuple[EncodingRef, tuple[int, int, int]], ...], p: MMPayload) -> bool:
+        """Whether ``p`` shows exactly the images (bytes, dtype, shape, grid, order) stored as ``occ``."""
+        if len(occ) != len(p.encodings):
+            return False
+        for (ref, grid), e, g in zip(occ, p.encodings, p.grids):
+            if grid != tuple(int(x) for x in g) or not same_bytes(self.store.get(ref), e.detach().contiguous()):
+                return False
+        return True
 
     def get(self, traj_ids: Sequence[int], fields: Sequence[str]) -> UnitChunk:
         """``StorageUnit.get``; with ``image_index`` among ``fields``, an ``MMUnitChunk`` carrying each distinct

@@ -200,7 +200,7 @@ class EncodingStore:
     def _find_locked(self, key: EncodingKey, t: torch.Tensor) -> int | None:
         """The slot holding exactly ``t``'s content, comparing bytes on every key hit (never trust the hash)."""
         for slot_id in self._by_key.get(key, ()):
-            if _same_bytes(self._slots[slot_id].tensor, t):
+            if same_bytes(self._slots[slot_id].tensor, t):
                 return slot_id
             self._collisions += 1
         return None
@@ -255,7 +255,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality (not ``==``, which calls NaN unequal to itself and -0.0 equal to 0.0)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False

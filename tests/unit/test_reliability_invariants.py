@@ -3,6 +3,8 @@ silent corruption); each fails on the code before the fix."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -288,3 +290,121 @@ def test_a_sealed_greedy_handoff_ends_after_a_batch_ended_short_instead_of_waiti
         assert got == [(0, 1)]
     finally:
         h.close()
+
+
+def test_a_retried_multimodal_put_of_identical_images_is_a_no_op_and_different_images_are_a_duplicate():
+    """Idempotent puts cover images too: a producer retrying an ``MMPayload`` whose first reply was lost (same
+    fields, same pixel bytes, same grids) changes nothing -- no new image reference, no new slot, the trajectory
+    trained once; different pixels or a different grid under the same id still raise ``DuplicatePutError`` and
+    leave the unit as it was."""
+    from knittrans.mmdedup.plane import MMPayload, build_mm_inprocess
+
+    dp = build_mm_inprocess({"u0": "n0"}, ("n0",))
+    c = dp.client("u0")
+    px = torch.randn(16, 8)
+
+    def mm(t, pixels=px, grid=(1, 4, 4)):
+        return MMPayload(t, dict(_traj(t).tensors), group=0, encodings=(pixels,), grids=(grid,))
+
+    c.put([mm(0), mm(1)])
+    before = (dp.controller.stats(), dp.units["u0"].stats(), dp.units["u0"].store.stats().live_refs,
+              dp.units["u0"].store.stats().live_slots)
+    c.put([mm(0), mm(1, px.clone())])  # lost reply: the producer retries (its own copy of the same bytes)
+    dp.units["u0"].put([mm(1)])  # ... or the unit got it but the register call was lost: the unit's no-op
+    c.put([mm(1)])
+    after = (dp.controller.stats(), dp.units["u0"].stats(), dp.units["u0"].store.stats().live_refs,
+             dp.units["u0"].store.stats().live_slots)
+    assert after == before and before[2:] == (2, 1)
+    for bad in (mm(0, px + 1), mm(0, grid=(1, 2, 8)), MMPayload(0, dict(_traj(0).tensors), group=0,
+                                                                  encodings=(px, px), grids=((1, 4, 4),) * 2)):
+        with pytest.raises(DuplicatePutError, match="images of trajectory 0 were already written with different"):
+            c.put([bad])
+    assert (dp.controller.stats(), dp.units["u0"].stats(), dp.units["u0"].store.stats().live_refs) == before[:3]
+    mb = MiniBatch(0, 0, (0, 1), (0,), 0)
+    c.admit(mb)
+    share = dp.client().fetch(mb, 0)
+    assert share.traj_ids == (0, 1) and share.image_ids == {0: (0,), 1: (0,)}
+    assert torch.equal(share.images.pixels[0], px) and share.images.grids == ((1, 4, 4),)
+    assert dp.live_bytes() == 0  # every reference released once: none leaked by the retries
+
+
+# -- hangs ----------------------------------------------------------------------------------------------------------
+
+
+class _HangingUnit:
+    """A storage unit stuck in every ``get`` until ``release`` is set (bounded, so it never outlives the test)."""
+
+    def __init__(self, unit) -> None:
+        self.unit = unit
+        self.release = threading.Event()
+
+    def put(self, payloads):
+        return self.unit.put(payloads)
+
+    def get(self, traj_ids, fields):
+        self.release.wait(timeout=60.0)
+        return self.unit.get(traj_ids, fields)
+
+    def drop(self, traj_ids, fields=None):
+        return self.unit.drop(traj_ids, fields)
+
+
+def test_a_unit_hung_in_get_cannot_block_an_in_process_fetch_or_prefetcher_close():
+    """In-process reads have a deadline (``read_timeout_s``, as on Ray): a unit hung in ``get`` makes
+    ``fetch_next`` raise ``ReadTimeoutError`` naming the unit, with the claim undone, and a prefetcher's worker
+    ends with that error, so ``close`` returns; once the unit answers, the same share is read whole."""
+    from knittrans.dataplane.types import ReadTimeoutError
+
+    dp = build_inprocess(TEXT_SCHEMA, {"u0": "n0"}, ("n0",), read_timeout_s=0.2)
+    dp.client("u0").put([_traj(0), _traj(1)])
+    dp.client().admit(MiniBatch(0, 0, (0, 1), (0,), 0))
+    hung = dp.units["u0"] = _HangingUnit(dp.units["u0"])
+    try:
+        got: list[BaseException] = []
+
+        def fetch() -> None:
+            try:
+                dp.client().fetch_next(0, 0, timeout=5.0)
+            except BaseException as e:  # noqa: BLE001 - checked below
+                got.append(e)
+
+        th = threading.Thread(target=fetch, daemon=True)
+        th.start()
+        th.join(timeout=30.0)  # generous: the deadline is 0.2 s; without one this thread never ends
+        assert not th.is_alive(), "fetch_next blocked on a hung unit"
+        assert len(got) == 1 and isinstance(got[0], ReadTimeoutError) and "unit u0" in str(got[0])
+        pf = Prefetcher(dp.client(), 0, config=PrefetchConfig(admit_timeout_s=5.0)).start()
+        with pytest.raises(ReadTimeoutError, match="unit u0"):  # it could claim again: the claim was undone
+            pf.next(timeout=30.0)
+        closer = threading.Thread(target=pf.close, daemon=True)
+        closer.start()
+        closer.join(timeout=30.0)
+        assert not closer.is_alive() and not pf._thread.is_alive()  # the worker ended, not left hanging
+    finally:
+        hung.release.set()
+    dp.units["u0"] = hung.unit
+    share = dp.client().fetch_next(0, 0, timeout=5.0)
+    assert share.traj_ids == (0, 1)
+    for t, arr in _rows(share, "input_ids").items():
+        np.testing.assert_array_equal(arr, _traj(t).tensors["input_ids"])
+
+
+# -- inputs ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_zero_length_response_error_names_only_the_empty_fields():
+    """The message names the field that is empty, not every field of its same-length group (a producer that
+    forgot its advantages must not be told its log-probs are empty)."""
+    from knittrans.dataplane import SchemaMismatchError
+
+    dp = build_inprocess(TEXT_SCHEMA, UNITS, ("n0",))
+    bad = _traj(0)
+    bad.tensors["advantages"] = np.zeros(0, np.float32)
+    with pytest.raises(SchemaMismatchError, match=r"zero-length response \(field\(s\) \['advantages'\] have 0 rows "
+                                                  r"of \{'old_logprobs': 3, 'advantages': 0, 'loss_mask': 3\}"):
+        dp.client("u0").put([bad])
+    empty = _traj(1, resp=0)
+    with pytest.raises(SchemaMismatchError, match=r"\(field\(s\) \['advantages', 'loss_mask', 'old_logprobs'\] "
+                                                  r"have 0 rows;"):
+        dp.client("u0").put([empty])
+    assert dp.controller.stats().trajectories == 0 and dp.units["u0"].stats().num_trajectories == 0
