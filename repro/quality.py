@@ -14,6 +14,12 @@ actually got (``quality_throughput_match``) beside the claim.
 
 Run: ``python -m repro.quality`` (defaults in repro/conf/quality.yaml; a smoke run: ``seeds=[0,1] num_batches=4
 prompts_per_batch=8 match_batches=2 match_passes=1 warm_steps=10 eval_every=4 heldout=32 logger=none``).
+
+With vLLM as the rollout engine (``engine=vllm``; in the vLLM environment, docs/runtime.md "The vLLM engine"), at
+a size that fits 2 cores: ``$(scripts/vllm_env.sh) -m repro.quality engine=vllm seeds=[0,1,2] num_batches=12
+prompts_per_batch=32 num_minibatches=8 wave_groups=4 eval_every=16 heldout=128 match_passes=1 match_batches=2
+logger=none out_dir=results/quality-vllm`` (PYTHONPATH=. from the checkout). Held-out evaluation decodes greedily
+with the HF engine for every engine (vLLM's greedy output agrees token for token, tests/e2e/test_vllm_engine.py).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from knittrans.runtime.records import RunResult, write_trace
 from knittrans.runtime.trainer import GRPOConfig
 from repro.spec.quality import ARMS, QualityRun, ThroughputProbe, matched_budget
 from workloads.arith import ArithTask
-from workloads.arith_session import arith_setup, evaluate_snapshots, heldout_problems, run_mode
+from workloads.arith_session import RolloutEngines, arith_setup, evaluate_snapshots, heldout_problems, run_mode
 from workloads.tiny_models import TinyPolicyConfig, WarmStartConfig
 
 
@@ -86,6 +92,8 @@ class QualityConfig:
     """Held-out problems (fixed set, greedy decoding)."""
     threads: int = 1
     """torch intra-op threads per side (the disaggregated modes run two sides at once on 2 cores)."""
+    engine: str = "hf"
+    """Rollout engine: hf (in the project's .venv) or vllm (in the vLLM environment; one engine for every run)."""
     logger: str = "none"
     """Experiment logger: wandb (offline unless WANDB_MODE=online) or none."""
     out_dir: str = "results/quality"
@@ -120,7 +128,7 @@ def rotate(xs: list, k: int) -> list:
     return xs[k:] + xs[:k]
 
 
-def probe(cfg: QualityConfig, setup) -> list[ThroughputProbe]:  # noqa: ANN001 - an ArithSetup
+def probe(cfg: QualityConfig, setup, engines: RolloutEngines) -> list[ThroughputProbe]:  # noqa: ANN001 - ArithSetup
     """Short runs of train-batch and of KnitTrans at each candidate budget, alternating within each pass."""
     P = cfg.trainbatch_budget or cfg.prompts_per_batch
     arms = [("train_batch", P)] + [("knittrans", b) for b in candidates(cfg)]
@@ -128,7 +136,7 @@ def probe(cfg: QualityConfig, setup) -> list[ThroughputProbe]:  # noqa: ANN001 -
     for k in tqdm(range(cfg.match_passes), desc="throughput probes", unit="pass"):
         for arm, budget in rotate(arms, k):
             rc = runtime_config(cfg, arm, budget, setup.seed, num_batches=cfg.match_batches)
-            run = run_mode(rc, setup, make_policy=make_policy)
+            run = run_mode(rc, setup, engine=engines(setup), make_policy=make_policy)
             rows.append(ThroughputProbe(seed=setup.seed, pass_index=k, arm=arm, budget_groups=budget,
                                         steps_per_s=run.throughput_steps_per_s(),
                                         staleness_mean=run.staleness_stats.mean))
@@ -148,13 +156,14 @@ class Curve:
     staleness: np.ndarray
 
 
-def run_seed(cfg: QualityConfig, setup, budgets: dict[str, int], problems, bar) -> tuple[list[QualityRun], list[Curve]]:  # noqa: ANN001,E501
+def run_seed(cfg: QualityConfig, setup, budgets: dict[str, int], problems, bar,  # noqa: ANN001
+             engines: RolloutEngines) -> tuple[list[QualityRun], list[Curve]]:
     """Every arm from this seed's warm start, back to back (the order rotates with the seed)."""
     rows, curves = [], []
     for order, arm in enumerate(rotate(list(ARMS), setup.seed)):
         system = "knittrans" if arm.startswith("knittrans") else arm
         rc = runtime_config(cfg, system, budgets[arm], setup.seed, eval_every=cfg.eval_every)
-        run = run_mode(rc, setup, make_policy=make_policy)
+        run = run_mode(rc, setup, engine=engines(setup), make_policy=make_policy)
         steps, acc, wall = evaluate_snapshots(setup, run, problems, max_new_tokens=rc.max_new_tokens)
         write_trace(run, f"{cfg.out_dir}/traces/{arm}-seed{setup.seed}.csv.gz")
         rows.append(row(arm, order, rc, run, acc))
@@ -215,9 +224,13 @@ def plot(curves: list[Curve], results) -> None:  # noqa: ANN001 - a repro.result
     plt.close(fig)
 
 
-def run_table(cfg: QualityConfig):  # noqa: ANN201 - a repro.results.Results
+def run_table(cfg: QualityConfig, engines: RolloutEngines | None = None):  # noqa: ANN201 - a repro.results.Results
+    """The table; ``engines`` (default: ``RolloutEngines(cfg.engine)``) lets a caller share one vLLM engine."""
     from repro.results import Results
 
+    engines = engines or RolloutEngines(cfg.engine)
+    if engines.kind != cfg.engine:
+        raise ValueError(f"quality: engine={cfg.engine!r} but the engines passed are {engines.kind!r}")
     torch.set_num_threads(cfg.threads)
     results = Results(table="quality", out_dir=cfg.out_dir)
     t_start = time.perf_counter()
@@ -234,14 +247,14 @@ def run_table(cfg: QualityConfig):  # noqa: ANN201 - a repro.results.Results
     if cfg.knittrans_budget:
         matched, ratio = cfg.knittrans_budget, float("nan")
     else:
-        probes = probe(cfg, first)
+        probes = probe(cfg, first, engines)
         matched, ratio = matched_budget(probes, cfg.match_target)
     budgets = {"colocated": 0, "train_batch": P, "knittrans_same_budget": P, "knittrans_matched": matched}
     rows: list[QualityRun] = []
     curves: list[Curve] = []
     with tqdm(total=len(cfg.seeds) * len(ARMS), desc="quality runs", unit="run") as bar:
         for seed in cfg.seeds:
-            r, c = run_seed(cfg, first if seed == cfg.seeds[0] else setup_of(seed), budgets, problems, bar)
+            r, c = run_seed(cfg, first if seed == cfg.seeds[0] else setup_of(seed), budgets, problems, bar, engines)
             rows += r
             curves += c
     results.set_trials([*probes, *rows])
@@ -250,6 +263,7 @@ def run_table(cfg: QualityConfig):  # noqa: ANN201 - a repro.results.Results
     results.extra["curves"] = [{"arm": c.arm, "seed": c.seed, "steps": c.steps, "acc": c.acc, "wall_s": c.wall}
                                for c in curves]
     results.extra["total_s"] = time.perf_counter() - t_start
+    results.extra["rollout_engine"] = engines.describe()
     results.extra["matched_budget"] = {"budget_groups": matched, "probe_median_ratio": ratio,
                                        "probes": [p.as_dict() for p in probes]}
     results.extra["traces"] = "traces/<arm>-seed<seed>.csv.gz: per trajectory v_gen, v_train, step, timestamps"
@@ -258,7 +272,7 @@ def run_table(cfg: QualityConfig):  # noqa: ANN201 - a repro.results.Results
         f"tokenizer; task ab+c= with exact-match reward; warm start {cfg.warm_steps} supervised steps. GRPO: "
         f"P={cfg.prompts_per_batch} prompts x n={cfg.group_size}, M={cfg.num_minibatches}, "
         f"{cfg.num_batches * cfg.num_minibatches} optimizer steps per run, Adam lr {cfg.lr}, clip {cfg.clip_eps}, "
-        f"KL {cfg.kl_coef}. Every trajectory goes through the handoff (in-process transport): put by the rollout "
+        f"KL {cfg.kl_coef}. Rollout engine: {cfg.engine}. Every trajectory goes through the handoff (in-process transport): put by the rollout "
         f"thread, admitted in its controller, fetched packed and prefetched by the trainer, acked after the step.\n\n"
         f"Version semantics: disaggregated weight sync {cfg.sync} (k={cfg.sync_every}); the engine loads the newest "
         f"published weights between generation waves of {cfg.wave_groups} groups; in-flight waves finish with the "
