@@ -15,11 +15,12 @@ actually got (``quality_throughput_match``) beside the claim.
 Run: ``python -m repro.quality`` (defaults in repro/conf/quality.yaml; a smoke run: ``seeds=[0,1] num_batches=4
 prompts_per_batch=8 match_batches=2 match_passes=1 warm_steps=10 eval_every=4 heldout=32 logger=none``).
 
-With vLLM as the rollout engine (``engine=vllm``; in the vLLM environment, docs/runtime.md "The vLLM engine"), at
-a size that fits 2 cores: ``$(scripts/vllm_env.sh) -m repro.quality engine=vllm seeds=[0,1,2] num_batches=12
-prompts_per_batch=32 num_minibatches=8 wave_groups=4 eval_every=16 heldout=128 match_passes=1 match_batches=2
-logger=none out_dir=results/quality-vllm`` (PYTHONPATH=. from the checkout). Held-out evaluation decodes greedily
-with the HF engine for every engine (vLLM's greedy output agrees token for token, tests/e2e/test_vllm_engine.py).
+With vLLM as the rollout engine (``engine=vllm``, run by the vLLM environment's python from the checkout,
+docs/runtime.md "The vLLM engine"), at a size that fits 2 cores (3 seeds, 240 steps per run, one probe pass:
+~8 min, vLLM's waves being 2-4x slower than HF's on this tiny policy): ``PYTHONPATH=. $(scripts/vllm_env.sh) -m
+repro.quality engine=vllm seeds=[0,1,2] num_batches=15 match_passes=1 logger=none out_dir=results/quality-vllm``.
+Held-out evaluation decodes greedily with the HF engine for every engine (vLLM's greedy output agrees with it
+token for token, tests/e2e/test_vllm_engine.py).
 """
 
 from __future__ import annotations

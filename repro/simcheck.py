@@ -2,7 +2,7 @@
 
     python -m repro.simcheck                       # real runs (tiny policy, CPU) + calibrated simulator replays
     python -m repro.simcheck seeds=[0,1] logger=none
-    $(scripts/vllm_env.sh) -m repro.simcheck engine=vllm logger=none out_dir=results/sim-vs-real-vllm  # vLLM rollout
+    PYTHONPATH=. $(scripts/vllm_env.sh) -m repro.simcheck engine=vllm logger=none out_dir=results/sim-vs-real-vllm
 
 Every setting (admission policy x in-flight budget x weight-sync policy x wave size) runs for real
 (``knittrans.runtime``: HF engine in one thread, GRPO trainer in another, every trajectory through the handoff)
@@ -14,8 +14,8 @@ the held-out error of both, per setting, with settings that flow control alone d
 the verdict. Writes ``results/sim-vs-real/``.
 
 ``engine=vllm`` runs every real run with vLLM as the rollout engine (one in-process engine for all runs; run it
-with the vLLM environment's python, PYTHONPATH=. from the checkout, docs/runtime.md). Its default size fits 2 cores
-as is (48 runs of 48 steps of a 130K-parameter policy).
+with the vLLM environment's python, PYTHONPATH=. from the checkout, docs/runtime.md). The default size fits 2 cores
+as is: 48 runs of 48 steps of the 130K-parameter policy took 4.8 min with vLLM (2.6-4.3 min with HF).
 """
 
 from __future__ import annotations

@@ -82,6 +82,34 @@ def test_vllm_weight_update_takes_effect_and_records_version(env):
     assert [s.response_ids for s in after] == [s.response_ids for s in ref]
 
 
+def test_vllm_generates_from_a_fresh_thread_after_torch_set_num_threads(env):
+    """The orchestrator calls the engine from its rollout thread while the tables run torch with 1 thread: a fresh
+    thread's OpenMP count (one per core) then differs from torch's, which made vLLM's CPU attention abort the
+    process (metadata for 2 threads, kernel with 1) until the engine aligned the calling thread."""
+    import threading
+
+    tok, _, engine, reqs = env
+    before = torch.get_num_threads()
+    torch._C.set_num_threads(1)  # the original: vLLM replaced torch.set_num_threads with a no-op when it started
+    out, errors = [], []
+
+    def work() -> None:
+        try:
+            out.extend(engine.generate(reqs[:4], GREEDY, seed=0))
+            engine.load_weights({k: v.clone() for k, v in env[1].state_dict().items()}, version=engine.version)
+        except Exception as e:  # noqa: BLE001 - handed to the assertion below
+            errors.append(e)
+
+    try:
+        t = threading.Thread(target=work)
+        t.start()
+        t.join(timeout=120)
+        assert not t.is_alive(), "generation from a fresh thread hung"
+    finally:
+        torch._C.set_num_threads(before)
+    assert not errors and len(out) == 4
+
+
 class Recording:
     """Passes calls through to an engine and keeps every sample and every load's version; asserts the engine's
     version did not change during a generate call (in-flight requests finish with the weights they started with)."""
