@@ -90,7 +90,10 @@ def test_vllm_generates_from_a_fresh_thread_after_torch_set_num_threads(env):
 
     tok, _, engine, reqs = env
     before = torch.get_num_threads()
-    torch._C.set_num_threads(1)  # the original: vLLM replaced torch.set_num_threads with a no-op when it started
+    fresh = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count())  # a fresh thread's OpenMP count
+    # torch's count made to differ from it (1 as in the tables, or 2 under OMP_NUM_THREADS=1); through the original:
+    # vLLM replaced torch.set_num_threads with a no-op when it started
+    torch._C.set_num_threads(2 if fresh == 1 else 1)
     out, errors = [], []
 
     def work() -> None:
