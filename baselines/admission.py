@@ -70,6 +70,12 @@ class GreedyStreamingAdmission(LedgerPolicy):
         ready, pending = self.ledger.units(b)
         k = self.ledger.remaining_minibatches(b)
         if not ready:
+            if not pending and b.arrived >= b.plan.num_trajectories:
+                # Used up: an earlier mini-batch took more than its share (slack) and nothing is left for the
+                # remaining k. Waiting would hang for ever; a careless stack moves on to the next batch with
+                # fewer steps. Do that, and count it.
+                self._end_short(b, k)
+                return self.on_trainer_ready(now)  # the next batch may be ready already
             self._dirty = False
             return []
         self._stats.decisions += 1
@@ -94,7 +100,22 @@ class GreedyStreamingAdmission(LedgerPolicy):
         bins: list[list[Unit]] = [[] for _ in range(k)]
         for i, u in enumerate(sorted(fifo, key=lambda u: -u.size)):
             bins[i % k].append(u)
-        return [self._commit(b, bn) for bn in bins]
+        full = [bn for bn in bins if bn]  # fewer units than steps left: the batch ends short (no empty step)
+        out = [self._commit(b, bn) for bn in full]
+        if len(full) < k:
+            self._end_short(b, k - len(full))
+        return out
+
+    def _end_short(self, b: BatchState, missing: int) -> None:
+        """End batch ``b`` with ``missing`` fewer mini-batches than M (every trajectory of it was consumed)."""
+        b.committed = self.constraints.num_minibatches
+        if self.ledger.order and self.ledger.order[0] == b.plan.batch_id:
+            self.ledger.order.popleft()
+        self._stats.ended_short += 1
+        self._stats.skipped_minibatches += missing
+        if b.plan.batch_id not in self._dead:
+            self._dead.add(b.plan.batch_id)
+            self._stats.dead_ends += 1
 
     def _commit(self, b: BatchState, units: list[Unit]) -> MiniBatch:
         c = self.constraints

@@ -72,6 +72,9 @@ class BatchConstraints:
 
         need(is_int(self.size_slack) and self.size_slack >= 0,
              f"size_slack must be an int >= 0, got {self.size_slack!r}")
+        # a slack past B allows nothing more (sizes lie in 1..B anyway) but makes every size search scan it
+        need(self.size_slack <= self.batch_size, f"size_slack={self.size_slack} exceeds batch_size="
+             f"{self.batch_size} (mini-batch sizes lie within 1..batch_size; a larger slack allows nothing more)")
         if self.group_size is not None:
             need(is_int(self.group_size) and self.group_size >= 1,
                  f"group_size must be an int >= 1 or None, got {self.group_size!r}")

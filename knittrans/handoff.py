@@ -259,7 +259,8 @@ class Consumer:
         if self._prefetcher is None:
             self._prefetcher = Prefetcher(self.client, self.rank, self.fields,
                                           PrefetchConfig(depth=self.depth, admit_timeout_s=self.admit_timeout_s,
-                                                         ack_on_fetch=False), start_seq=self.start_seq,
+                                                         ack_on_fetch=False, ack_on_next=False),
+                                          start_seq=self.start_seq,
                                           count=self.count)
         return iter(self._prefetcher)
 

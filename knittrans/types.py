@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from enum import Enum, EnumMeta
 from functools import cached_property
@@ -212,6 +213,15 @@ class MiniBatch:
     group_ids: tuple[GroupId, ...]
     num_tokens: int
     violations: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        for name in ("batch_id", "index"):
+            v = getattr(self, name)
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"MiniBatch.{name} must be an int >= 0, got {v!r}")
+        if not self.traj_ids:
+            raise ValueError(f"MiniBatch {self.batch_id}/{self.index}: traj_ids is empty (an optimizer step with no "
+                             f"data); a mini-batch holds at least one trajectory")
 
     @property
     def size(self) -> int:

@@ -38,16 +38,21 @@ class GateOutcome:
     verdicts: tuple[Verdict, ...]
     seconds: float
     skipped: str = ""  # why the table's gate did not run ("" if it ran)
+    skipped_claims: tuple[tuple[str, str], ...] = ()  # (claim, why) whose gate does not apply on this hardware
 
-    def failed(self, allow_skip: bool) -> bool:
+    def failed(self, allow_skip: bool | Sequence[str]) -> bool:
+        """``allow_skip``: True (the whole table may skip) or the names (``table`` or ``table/claim``) that may."""
+        allowed = {self.table} if allow_skip is True else set(allow_skip or ())
         if self.skipped:
-            return not allow_skip
+            return self.table not in allowed
+        if any(self.table not in allowed and f"{self.table}/{c}" not in allowed for c, _ in self.skipped_claims):
+            return True
         return any(v.status is not Status.HOLDS for v in self.verdicts)
 
     def lines(self) -> list[str]:
         if self.skipped:
             return [f"SKIP {self.table}: {self.skipped}"]
-        out = []
+        out = [f"SKIP {self.table}/{c}: {why}" for c, why in self.skipped_claims]
         for v in self.verdicts:
             d = v.as_dict()
             mark = {Status.HOLDS: "ok  ", Status.FAILS: "FAIL", Status.NOT_MEASURED: "MISS"}[v.status]
@@ -60,9 +65,17 @@ def gated_claims(table: str) -> list:
     return [c for c in claims(table) if c.gate is not None]
 
 
+def gate_exemptions(table: str) -> dict[str, str]:
+    """Gated claims whose gate does not apply on this machine, with why (``Claim.gate_needs``)."""
+    why = {c.name: c.gate_needs() for c in gated_claims(table) if c.gate_needs is not None}
+    return {k: v for k, v in why.items() if v}
+
+
 def evaluate_gate(table: str, rows: Sequence[Trial]) -> tuple[Verdict, ...]:
-    """The table's gated claims over CI-size ``rows``, each against its ``gate`` bound."""
-    return tuple(c.evaluate(rows, bound=c.gate) for c in gated_claims(table))
+    """The table's gated claims over CI-size ``rows``, each against its ``gate`` bound (except those that do not
+    apply on this machine: ``gate_exemptions``)."""
+    skip = gate_exemptions(table)
+    return tuple(c.evaluate(rows, bound=c.gate) for c in gated_claims(table) if c.name not in skip)
 
 
 def run_gate(table: str) -> GateOutcome:
@@ -73,13 +86,15 @@ def run_gate(table: str) -> GateOutcome:
         rows = mod.gate_trials(table) if takes_table else mod.gate_trials()
     except GateSkipped as e:
         return GateOutcome(table, (), time.perf_counter() - t0, skipped=str(e) or "skipped")
-    return GateOutcome(table, evaluate_gate(table, rows), time.perf_counter() - t0)
+    return GateOutcome(table, evaluate_gate(table, rows), time.perf_counter() - t0,
+                       skipped_claims=tuple(gate_exemptions(table).items()))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", action="append", default=[], help="run only these tables (repeatable)")
-    ap.add_argument("--allow-skip", action="append", default=[], help="tables whose gate may skip")
+    ap.add_argument("--allow-skip", action="append", default=[],
+                    help="a table (or table/claim) whose gate may skip here, e.g. for want of a GPU (repeatable)")
     args = ap.parse_args(argv)
     gated = gate_modules()
     unknown = set(args.only) - set(gated)
@@ -91,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in out.lines():
             print(line, flush=True)
         print(f"     ({table}: {out.seconds:.1f} s)", flush=True)
-        failed += out.failed(table in args.allow_skip)
+        failed += out.failed(args.allow_skip)
     print(f"{'FAILED' if failed else 'passed'}: {failed} of {len(args.only or gated)} table gates failed")
     return 1 if failed else 0
 

@@ -59,6 +59,8 @@ class AdmissionStats:
     unknown: int = 0  # feasibility searches that ran out of nodes without a witness (treated as infeasible)
     dead_ends: int = 0  # batches that could not be finished within the constraints (greedy baseline only)
     violations: int = 0  # mini-batches that break a constraint (greedy baseline only)
+    ended_short: int = 0  # batches used up before their M mini-batches, ended with fewer (greedy baseline only)
+    skipped_minibatches: int = 0  # the mini-batches those batches never had (a sealed stream ends that much earlier)
 
 
 @dataclass

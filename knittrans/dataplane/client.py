@@ -31,7 +31,7 @@ from typing import Mapping, Protocol, Sequence
 import numpy as np
 
 from knittrans.dataplane.types import (AdmittedMiniBatch, DataPlaneError, MiniBatchKey, PackedField,
-                                       PackedShare, PutRecord, SchemaMismatchError, ShareLocation,
+                                       PackedShare, PutRecord, SchemaMismatchError, ShareLocation, ShareTooLargeError,
                                        TrajectoryPayload, TrajectorySchema, UnitChunk, UnitLostError)
 from knittrans.types import MiniBatch
 
@@ -42,13 +42,17 @@ class ControllerAPI(Protocol):
     def register(self, records: Sequence[PutRecord]) -> tuple[int, ...] | None: ...
     def admit(self, mb: MiniBatch) -> AdmittedMiniBatch: ...
     def next_admitted(self, seq: int, timeout: float | None = None) -> AdmittedMiniBatch: ...
-    def claim(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> ShareLocation: ...
-    def claim_next(self, seq: int, rank: int, fields: Sequence[str],
-                   timeout: float | None = None) -> ShareLocation: ...
-    def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> tuple[tuple[str, tuple[int, ...]], ...]: ...
+    def claim(self, key: MiniBatchKey, rank: int, fields: Sequence[str],
+              epoch: int | None = None) -> ShareLocation: ...
+    def claim_next(self, seq: int, rank: int, fields: Sequence[str], timeout: float | None = None,
+                   epoch: int | None = None) -> ShareLocation: ...
+    def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str],
+            epoch: int | None = None) -> tuple[tuple[str, tuple[int, ...]], ...]: ...
+    def rank_epoch(self, rank: int) -> int: ...
     # faults and recovery (knittrans.dataplane.faults, docs/reliability.md)
     def lose_unit(self, unit_id: str) -> tuple[int, ...]: ...
     def missing(self) -> tuple[int, ...]: ...
+    def discard(self, traj_ids: Sequence[int]) -> tuple[tuple[str, tuple[int, ...]], ...]: ...
     def unreleased(self, traj_ids: Sequence[int]) -> tuple[int, ...]: ...
     def unclaim(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> None: ...
     def recover_rank(self, rank: int) -> int: ...
@@ -88,6 +92,18 @@ class FetchTiming:
     pack_s: float
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def cu_seqlens_int32(offs: np.ndarray, name: str, loc: ShareLocation) -> np.ndarray:
+    """Row offsets as int32 (the varlen kernels' ``cu_seqlens`` dtype); a share past 2^31 - 1 rows raises
+    ``ShareTooLargeError`` instead of wrapping to negative offsets (which would silently mix sequences)."""
+    if offs.size and int(offs[-1]) > _INT32_MAX:
+        raise ShareTooLargeError(f"share {loc.key} rank {loc.rank}: field {name!r} has {int(offs[-1])} rows, past "
+                                 f"int32 cu_seqlens ({_INT32_MAX}); split the mini-batch across more ranks")
+    return offs.astype(np.int32)
+
+
 def pack_share(loc: ShareLocation, chunks: Sequence[UnitChunk], schema: TrajectorySchema,
                prepare: PrepareConfig = PrepareConfig()) -> PackedShare:
     """Assemble the units' packed chunks into one tensor per field, in the share's trajectory order. A share
@@ -122,7 +138,7 @@ def pack_share(loc: ShareLocation, chunks: Sequence[UnitChunk], schema: Trajecto
             values = np.concatenate(cols) if cols else np.zeros((0, *spec.tail), dtype=spec.dtype)
             offs = np.zeros(len(cols) + 1, dtype=np.int64)
             np.cumsum([c.shape[0] for c in cols], out=offs[1:])
-        cu = torch.from_numpy(offs.astype(np.int32)) if spec.ragged else None
+        cu = torch.from_numpy(cu_seqlens_int32(offs, name, loc)) if spec.ragged else None
         if name == schema.token_field:
             tokens = int(values.shape[0])
         tensor = torch.from_numpy(values)
@@ -132,7 +148,7 @@ def pack_share(loc: ShareLocation, chunks: Sequence[UnitChunk], schema: Trajecto
             tensor = tensor.pin_memory()
         out[name] = PackedField(name, tensor, cu)
     return PackedShare(key=loc.key, rank=loc.rank, traj_ids=loc.traj_ids, fields=out, nbytes=loc.nbytes,
-                       num_tokens=tokens, seq=loc.seq, group_ids=loc.group_ids)
+                       num_tokens=tokens, seq=loc.seq, group_ids=loc.group_ids, epoch=loc.epoch)
 
 
 @dataclass
@@ -175,10 +191,20 @@ class DataPlaneClient:
             # The unit accepted fields the controller refuses (e.g. the trajectory lives on another unit):
             # take back exactly what this call added, so nothing stale stays behind.
             for r in records:
-                self.units[unit_id].drop([r.traj_id], [f.name for f in r.fields])
+                added = [f.name for f in r.fields if f.name not in r.repeated]
+                if added:
+                    self.units[unit_id].drop([r.traj_id], added)
             raise
         if skipped:  # re-puts of lost trajectories that were consumed meanwhile: not needed
             self.units[unit_id].drop(skipped)
+
+    def discard(self, traj_ids: Sequence[int]) -> None:
+        """Forget orphaned trajectories of a producer that died mid-group (never admitted, never completed):
+        the controller forgets them and their units drop their fields, so the ids may be regenerated and put
+        again (``Controller.discard``)."""
+        for unit_id, ts in self.controller.discard(traj_ids):
+            if unit_id in self.units:
+                self.units[unit_id].drop(ts)
 
     # -- admission -------------------------------------------------------------------------------------------
 
@@ -203,18 +229,25 @@ class DataPlaneClient:
         return self._deliver(loc, t0, ack)
 
     def fetch_next(self, seq: int, rank: int, fields: Sequence[str] | None = None,
-                   timeout: float | None = None, ack: bool = True) -> PackedShare:
+                   timeout: float | None = None, ack: bool = True, epoch: int | None = None) -> PackedShare:
         """Rank ``rank``'s share of the ``seq``-th admitted mini-batch, waiting (up to ``timeout``) for its
         admission; ``TimeoutError`` (nothing claimed) if it is not admitted in time. What the prefetcher runs."""
         names = tuple(fields) if fields is not None else self.schema.names
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            raise SchemaMismatchError(f"rank must be an int, got {rank!r}")
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+            raise SchemaMismatchError(f"seq must be an int >= 0 (the admission order), got {seq!r}")
         t0 = time.perf_counter()
-        loc = self.controller.claim_next(seq, rank, names, timeout)
+        loc = self.controller.claim_next(seq, rank, names, timeout) if epoch is None else \
+            self.controller.claim_next(seq, rank, names, timeout, epoch)
         return self._deliver(loc, t0, ack)
 
     def ack(self, share: PackedShare) -> None:
         """Acknowledge a share fetched with ``ack=False`` (the rank has stepped on it); fully consumed
         trajectories are then dropped at their units."""
-        for unit_id, ts in self.controller.ack(share.key, share.rank, tuple(share.fields)):
+        acked = self.controller.ack(share.key, share.rank, tuple(share.fields)) if share.epoch < 0 else \
+            self.controller.ack(share.key, share.rank, tuple(share.fields), share.epoch)
+        for unit_id, ts in acked:
             self.units[unit_id].drop(ts)
 
     def _pack(self, loc: ShareLocation, chunks: Sequence[UnitChunk]) -> PackedShare:
@@ -231,11 +264,16 @@ class DataPlaneClient:
                 self.controller.lose_unit(e.unit_id)  # whoever sees a unit die reports it (idempotent)
             self.controller.unclaim(loc.key, loc.rank, loc.fields)
             raise
-        share = self._pack(loc, chunks)
+        try:
+            share = self._pack(loc, chunks)
+        except DataPlaneError:
+            self.controller.unclaim(loc.key, loc.rank, loc.fields)
+            raise
         t3 = time.perf_counter()
         self.last_timing = FetchTiming(t1 - t0, t2 - t1, t3 - t2)
         if ack:
-            for unit_id, ts in self.controller.ack(loc.key, loc.rank, loc.fields):
+            for unit_id, ts in self.controller.ack(loc.key, loc.rank, loc.fields,
+                                                   *(() if loc.epoch < 0 else (loc.epoch,))):
                 self.units[unit_id].drop(ts)
         return share
 

@@ -29,14 +29,17 @@ is never handed out partially. A re-put (to any live unit) restores it. ``unclai
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from array import array
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from knittrans.dataplane.assign import ShareItem, assign_shares
+from knittrans.dataplane.idset import IdRanges
 from knittrans.dataplane.types import (AdmissionStateError, AdmittedMiniBatch, AlreadyConsumedError,
-                                       DataLostError, DataPlaneClosedError, DuplicatePutError, EndOfStream,
+                                       DataLostError, DataPlaneClosedError, DuplicatePutError, EndOfStream, FencedError,
                                        FieldNotProducedError, MiniBatchKey, PutRecord, ShareLocation,
                                        TrajectorySchema, UnknownMiniBatchError)
 from knittrans.types import BatchPlan, MiniBatch, Trajectory
@@ -55,6 +58,10 @@ class ControllerConfig:
     """Locality yields once a rank would exceed ``(1 + slack) * ideal`` tokens (see ``assign``)."""
     equal_counts: bool = True
     """Give every rank the same number of trajectories (+-1): DP ranks step on equal sample counts."""
+    keep_records: bool = True
+    """Keep a ``HandoffRecord`` row of every trained trajectory that carried metadata (64 B each, in columns) for
+    ``records()`` and staleness reports. False: only unreleased ones are reported, and controller memory is flat
+    however long the run (released trajectories and mini-batches are compacted either way)."""
 
     def __post_init__(self) -> None:
         if not self.rank_nodes:
@@ -93,6 +100,10 @@ class ControllerStats:
     units_lost: int = 0
     completed: int = 0  # trajectories whose completing put (with meta) arrived
     planned_minibatches: int = 0  # M per announced batch
+    held: int = 0  # trajectories with live metadata (not yet released): what controller memory scales with
+    held_minibatches: int = 0  # admitted, not yet released
+    released_id_ranges: int = 0  # released ids are kept as ranges (one per run of consecutive ids)
+    discarded: int = 0  # orphans forgotten by ``discard``
 
 
 @dataclass(frozen=True)
@@ -141,6 +152,16 @@ class Controller:
         self._released = 0
         self._missing: set[int] = set()
         self._units_lost = 0
+        self._discarded = 0
+        self._epochs: dict[int, int] = {}  # rank -> incarnation (recover_rank bumps it)
+        # Compaction (bounded memory): a released mini-batch's trajectories leave ``_trajs`` and the mini-batch
+        # leaves ``_mbs``; what stays is their ids as ranges, the released keys (one per step), and -- when
+        # ``keep_records`` -- one columnar record row per trajectory that carried metadata.
+        self._released_ids = IdRanges()
+        self._released_keys: dict[MiniBatchKey, int] = {}  # key -> seq
+        self._consumed_after_loss: set[int] = set()  # released while missing: a late re-put is not needed
+        self._rec_i = {k: array("q") for k in ("traj", "group", "batch", "tokens", "v_gen", "v_train")}
+        self._rec_f = {k: array("d") for k in ("t_complete", "t_admit")}
         self._closed = False
         self._cv = threading.Condition()
 
@@ -156,13 +177,18 @@ class Controller:
         restores it on the new unit. Returns the ids it did not need: re-puts of trajectories that were
         consumed in the meantime (the caller drops them from the unit)."""
         with self._cv:
+            records = self._strip_repeats_locked(records)
             seen: set[tuple[int, str]] = set()
-            skip = {r.traj_id for r in records if r.traj_id in self._trajs and self._consumed_since_loss(r.traj_id)}
+            skip = {r.traj_id for r in records if (r.traj_id in self._trajs and self._consumed_since_loss(r.traj_id))
+                    or r.traj_id in self._consumed_after_loss}
             for r in records:
                 if r.unit_id not in self.unit_nodes:
                     raise AdmissionStateError(f"put of trajectory {r.traj_id} to unknown unit {r.unit_id!r}")
                 if r.traj_id in skip:
                     continue
+                if r.traj_id not in self._trajs and r.traj_id in self._released_ids:
+                    raise DuplicatePutError(f"trajectory {r.traj_id} was consumed and released; it takes no more "
+                                            f"fields (a regenerated trajectory needs a new id)")
                 st = self._trajs.get(r.traj_id)
                 if st is not None and st.unit_id is None:  # missing: a re-put, to any unit
                     if r.num_tokens is not None and st.num_tokens is not None and r.num_tokens != st.num_tokens:
@@ -205,6 +231,25 @@ class Controller:
             if records:
                 self._cv.notify_all()  # a re-put may complete a share that claim_next waits for
             return tuple(sorted(skip))
+
+    def _strip_repeats_locked(self, records: Sequence[PutRecord]) -> list[PutRecord]:
+        """Idempotent puts: drop what a retried put repeats (fields its unit already held with identical bytes and
+        this controller registered, and the same completing metadata) so a retry whose first reply was lost is a
+        no-op. Fields the unit held but the controller never registered (the first register call was lost) stay."""
+        out = []
+        for r in records:
+            st = self._trajs.get(r.traj_id)
+            if st is None or st.unit_id != r.unit_id:
+                out.append(r)
+                continue
+            rep = {fm.name for fm in r.fields if fm.name in r.repeated and st.fields.get(fm.name) == fm.nbytes}
+            same_meta = r.meta is not None and st.meta == r.meta
+            if rep or same_meta:
+                r = dataclasses.replace(r, fields=tuple(fm for fm in r.fields if fm.name not in rep),
+                                        meta=None if same_meta else r.meta)
+            if r.fields or r.meta is not None:
+                out.append(r)
+        return out
 
     # -- admission (with a policy) ---------------------------------------------------------------------------
 
@@ -295,6 +340,8 @@ class Controller:
 
     def _admit_locked(self, mb: MiniBatch) -> AdmittedMiniBatch:
         """Validate and admit ``mb`` (lock held)."""
+        if not isinstance(mb, MiniBatch):
+            raise AdmissionStateError(f"admit takes a MiniBatch, got {type(mb).__name__}")
         key = MiniBatchKey(mb.batch_id, mb.index)
         if self._closed:
             raise DataPlaneClosedError("controller is closed")
@@ -305,6 +352,8 @@ class Controller:
         items = []
         for t in mb.traj_ids:
             st = self._trajs.get(t)
+            if st is None and t in self._released_ids:
+                raise AdmissionStateError(f"mini-batch {key}: trajectory {t} was already trained and released")
             if st is None or st.num_tokens is None:
                 raise AdmissionStateError(f"mini-batch {key}: trajectory {t} was never put (its token field "
                                           f"{self.schema.token_field!r} is unknown)")
@@ -333,42 +382,56 @@ class Controller:
     def next_admitted(self, seq: int, timeout: float | None = None) -> AdmittedMiniBatch:
         """The ``seq``-th admitted mini-batch, waiting until it is admitted. Raises ``TimeoutError`` after
         ``timeout`` seconds, ``DataPlaneClosedError`` if the controller closes first."""
+        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:  # -1 would read the last mini-batch
+            raise AdmissionStateError(f"seq must be an int >= 0 (an admission order), got {seq!r}")
         with self._cv:
             ok = self._cv.wait_for(lambda: (self._closed or len(self._log) > seq or self._failure is not None
                                             or self._ended(seq)), timeout=timeout)
             if len(self._log) > seq:
-                return self._mbs[self._log[seq]].admitted
+                key = self._log[seq]
+                if key in self._released_keys:
+                    raise AlreadyConsumedError(f"mini-batch #{seq} ({key}) was released: every rank consumed it")
+                return self._mbs[key].admitted
             if self._failure is not None:
                 raise self._failure
             if self._ended(seq):
-                raise EndOfStream(f"the stream is sealed after {self._planned} mini-batches: there is no #{seq}")
+                raise EndOfStream(f"the stream is sealed after {self._planned_now()} mini-batches: there is no "
+                                  f"#{seq}")
             if self._closed:
                 raise DataPlaneClosedError(f"controller closed before mini-batch #{seq} was admitted")
             assert not ok
             raise TimeoutError(f"no mini-batch #{seq} admitted within {timeout} s")
 
     def _ended(self, seq: int) -> bool:
-        return self._sealed and self.policy is not None and seq >= self._planned
+        return self._sealed and self.policy is not None and seq >= self._planned_now()
+
+    def _planned_now(self) -> int:
+        """Mini-batches the announced batches will have: M each, less what a policy skipped when it ended a used-up
+        batch short (the greedy baseline; ``AdmissionStats.skipped_minibatches``)."""
+        assert self.policy is not None
+        return self._planned - getattr(self.policy.stats, "skipped_minibatches", 0)
 
     def admitted(self, key: MiniBatchKey) -> AdmittedMiniBatch:
         with self._cv:
             st = self._mbs.get(key)
             if st is None:
+                self._raise_released(key)
                 raise UnknownMiniBatchError(f"mini-batch {key} was never admitted")
             return st.admitted
 
     # -- consumption -----------------------------------------------------------------------------------------
 
-    def claim(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> ShareLocation:
+    def claim(self, key: MiniBatchKey, rank: int, fields: Sequence[str], epoch: int | None = None) -> ShareLocation:
         """Hand rank ``rank`` the locations of its share's ``fields``, exactly once per (mini-batch, rank,
-        field)."""
+        field). ``epoch``: the claimer's incarnation (``rank_epoch``); a superseded one raises ``FencedError``."""
         with self._cv:
+            self._check_epoch(rank, epoch, f"claim of {key}")
             st = self._mbs.get(key)
             if st is None:
+                self._raise_released(key)
                 raise UnknownMiniBatchError(f"mini-batch {key} was never admitted (admitted: "
                                             f"{sorted((k.batch_id, k.index) for k in self._mbs)[-8:]} ...)")
-            if not 0 <= rank < self.num_ranks:
-                raise AdmissionStateError(f"rank {rank} out of range: this data plane has {self.num_ranks} ranks")
+            self._check_rank(rank)
             if not fields or len(set(fields)) != len(fields):
                 raise FieldNotProducedError(f"fetch of {key} rank {rank}: fields must be non-empty and distinct, "
                                             f"got {list(fields)}")
@@ -399,9 +462,11 @@ class Controller:
             return ShareLocation(key=key, rank=rank, traj_ids=traj_ids,
                                  unit_ids=tuple(self._trajs[t].unit_id or "" for t in traj_ids),
                                  fields=tuple(fields), nbytes=nbytes, checksums=sums, seq=st.admitted.seq,
-                                 group_ids=st.admitted.group_ids)
+                                 group_ids=st.admitted.group_ids,
+                                 epoch=-1 if epoch is None else epoch)
 
-    def claim_next(self, seq: int, rank: int, fields: Sequence[str], timeout: float | None = None) -> ShareLocation:
+    def claim_next(self, seq: int, rank: int, fields: Sequence[str], timeout: float | None = None,
+                   epoch: int | None = None) -> ShareLocation:
         """Wait for the ``seq``-th admitted mini-batch, then claim rank ``rank``'s share of it (one round trip
         for a prefetcher on a remote controller). ``TimeoutError`` if it is not admitted in time; nothing is
         claimed then."""
@@ -413,14 +478,19 @@ class Controller:
                 if not ok:
                     raise TimeoutError(f"mini-batch #{seq} rank {rank}: lost trajectories not re-put within "
                                        f"{timeout} s")
-        return self.claim(adm.key, rank, fields)
+        return self.claim(adm.key, rank, fields, epoch)
 
-    def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str],
+            epoch: int | None = None) -> tuple[tuple[str, tuple[int, ...]], ...]:
         """Rank ``rank`` holds its ``fields``. Returns ``(unit_id, traj_ids)`` pairs the units may now drop:
-        non-empty exactly once, when the last rank acks the last produced field of the mini-batch."""
+        non-empty exactly once, when the last rank acks the last produced field of the mini-batch. A superseded
+        ``epoch`` (a zombie of a recovered rank) raises ``FencedError``."""
         with self._cv:
+            self._check_epoch(rank, epoch, f"ack of {key}")
             st = self._mbs.get(key)
             if st is None:
+                if key in self._released_keys:
+                    return ()  # a repeated ack of a released (compacted) mini-batch: nothing more to do
                 raise UnknownMiniBatchError(f"ack for mini-batch {key}, which was never admitted")
             missing = [n for n in fields if (rank, n) not in st.claimed]
             if missing:
@@ -447,7 +517,35 @@ class Controller:
                 u = self._trajs[t].unit_id
                 if u is not None:  # None: consumed after its unit was lost; nothing left to drop
                     by_unit.setdefault(u, []).append(t)
+            self._compact_locked(st)
             return tuple((u, tuple(ts)) for u, ts in sorted(by_unit.items()))
+
+    def _compact_locked(self, st: _MiniBatchState) -> None:
+        """Forget a released mini-batch's per-trajectory state (lock held); see ``__init__``."""
+        adm = st.admitted
+        for t in adm.traj_ids:
+            ts = self._trajs.pop(t)
+            if ts.unit_id is None:
+                self._consumed_after_loss.add(t)
+            if ts.meta is not None and self.config.keep_records:
+                m = ts.meta
+                for k, v in (("traj", t), ("group", m.group_id), ("batch", m.batch_id), ("tokens", m.num_tokens),
+                             ("v_gen", m.v_gen), ("v_train", adm.seq)):
+                    self._rec_i[k].append(v)
+                self._rec_f["t_complete"].append(ts.t_complete)
+                self._rec_f["t_admit"].append(st.t_admit)
+        self._released_ids.update(adm.traj_ids)
+        self._forget_locked(adm.traj_ids)
+        del self._mbs[adm.key]
+        self._released_keys[adm.key] = adm.seq
+
+    def _forget_locked(self, traj_ids: Sequence[int]) -> None:
+        """Hook: these trajectories were released and compacted (a subclass drops its own per-trajectory state)."""
+
+    def _raise_released(self, key: MiniBatchKey) -> None:
+        if key in self._released_keys:
+            raise AlreadyConsumedError(f"mini-batch {key} was released: every rank consumed it (exactly-once "
+                                       f"delivery)")
 
     # -- faults and recovery (docs/reliability.md) -----------------------------------------------------------
 
@@ -486,6 +584,40 @@ class Controller:
             self._cv.notify_all()
             return tuple(lost)
 
+    def discard(self, traj_ids: Sequence[int]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """Forget orphaned trajectories (their producer died mid-group; nothing will complete them): metadata
+        gone, so the same ids may be regenerated and put again. Returns ``(unit_id, traj_ids)`` pairs the units
+        must drop. All or nothing: a trajectory already admitted (it will be trained) or already handed to the
+        admission policy (completed) raises ``AdmissionStateError``; unknown ids are ignored (idempotent)."""
+        with self._cv:
+            ids = list(dict.fromkeys(traj_ids))
+            for t in ids:
+                if not isinstance(t, int) or isinstance(t, bool):
+                    raise AdmissionStateError(f"discard: trajectory ids are ints, got {t!r}")
+                st = self._trajs.get(t)
+                if st is None and t in self._released_ids:
+                    raise AdmissionStateError(f"discard: trajectory {t} was trained and released; only orphans "
+                                              f"(never admitted) can be discarded")
+                if st is None:
+                    continue
+                if st.admitted_in is not None:
+                    raise AdmissionStateError(f"discard: trajectory {t} is admitted in {st.admitted_in} and will be "
+                                              f"trained; only orphans (never admitted) can be discarded")
+                if st.meta is not None and self.policy is not None:
+                    raise AdmissionStateError(f"discard: trajectory {t} completed and was handed to the admission "
+                                              f"policy; only orphans (no completing put) can be discarded")
+            by_unit: dict[str, list[int]] = {}
+            for t in ids:
+                st = self._trajs.pop(t, None)
+                if st is None:
+                    continue
+                self._missing.discard(t)
+                self._discarded += 1
+                if st.unit_id is not None:
+                    by_unit.setdefault(st.unit_id, []).append(t)
+            self._cv.notify_all()
+            return tuple((u, tuple(ts)) for u, ts in sorted(by_unit.items()))
+
     def missing(self) -> tuple[int, ...]:
         """Trajectories lost with a unit and not re-put yet (what producers must re-put)."""
         with self._cv:
@@ -498,6 +630,8 @@ class Controller:
             out = []
             for t in traj_ids:
                 st = self._trajs.get(t)
+                if st is None and t in self._released_ids:
+                    continue  # released and compacted
                 if st is None or st.admitted_in is None or not self._mbs[st.admitted_in].released:
                     out.append(t)
             return tuple(out)
@@ -508,6 +642,8 @@ class Controller:
         with self._cv:
             st = self._mbs.get(key)
             if st is None:
+                if key in self._released_keys:
+                    return  # every rank consumed it: nothing to return to the pool
                 raise UnknownMiniBatchError(f"unclaim of mini-batch {key}, which was never admitted")
             st.claimed.difference_update((rank, n) for n in fields if (rank, n) not in st.acked)
             self._cv.notify_all()
@@ -516,17 +652,37 @@ class Controller:
         """A trainer rank crashed and restarts: return everything it claimed and did not ack to the pool, and
         return the admission sequence number it must resume from (its first mini-batch not fully acked)."""
         with self._cv:
-            if not 0 <= rank < self.num_ranks:
-                raise AdmissionStateError(f"rank {rank} out of range: this data plane has {self.num_ranks} ranks")
+            self._check_rank(rank)
+            self._epochs[rank] = self._epochs.get(rank, 0) + 1  # fences off the old incarnation's claims and acks
             resume = len(self._log)
             for seq, key in enumerate(self._log):
-                st = self._mbs[key]
+                st = self._mbs.get(key)
+                if st is None:  # released and compacted
+                    continue
                 st.claimed = {(r, n) for r, n in st.claimed if r != rank or (r, n) in st.acked}
                 produced = self._produced(st, rank)
                 if resume == len(self._log) and not st.released and any((rank, n) not in st.acked for n in produced):
                     resume = seq
             self._cv.notify_all()
             return resume
+
+    def rank_epoch(self, rank: int) -> int:
+        """Rank ``rank``'s current incarnation: 0 at start, +1 at every ``recover_rank``. A consumer reads it once
+        when it starts and passes it with every claim and ack (fencing, see ``FencedError``)."""
+        with self._cv:
+            self._check_rank(rank)
+            return self._epochs.get(rank, 0)
+
+    def _check_epoch(self, rank: int, epoch: int | None, what: str) -> None:
+        if epoch is not None and epoch != self._epochs.get(rank, 0):
+            raise FencedError(f"{what} by rank {rank} incarnation {epoch}: recover_rank superseded it (now "
+                              f"{self._epochs.get(rank, 0)}); a zombie of a crashed rank may not claim or ack")
+
+    def _check_rank(self, rank: object) -> None:
+        if not isinstance(rank, int) or isinstance(rank, bool):  # True would read rank 1's share
+            raise AdmissionStateError(f"rank must be an int, got {rank!r}")
+        if not 0 <= rank < self.num_ranks:
+            raise AdmissionStateError(f"rank {rank} out of range: this data plane has {self.num_ranks} ranks")
 
     def _produced(self, st: _MiniBatchState, rank: int) -> set[str]:
         share = st.admitted.shares[rank]
@@ -552,8 +708,11 @@ class Controller:
 
     def stats(self) -> ControllerStats:
         with self._cv:
-            return ControllerStats(len(self._trajs), len(self._log), self._claims, self._released,
-                                   len(self._missing), self._units_lost, self._completed, self._planned)
+            return ControllerStats(len(self._trajs) + len(self._released_ids), len(self._log), self._claims,
+                                   self._released, len(self._missing), self._units_lost, self._completed,
+                                   self._planned, held=len(self._trajs), held_minibatches=len(self._mbs),
+                                   released_id_ranges=len(self._released_ids.ranges),
+                                   discarded=self._discarded)
 
     # -- versions and records --------------------------------------------------------------------------------
 
@@ -581,12 +740,14 @@ class Controller:
     def records(self) -> list[HandoffRecord]:
         """Every admitted trajectory that carried metadata, with ``v_gen``, ``v_train`` and its times, by id."""
         with self._cv:
-            out = []
-            for t, st in sorted(self._trajs.items()):
+            i, f = self._rec_i, self._rec_f
+            out = [HandoffRecord(*(int(i[k][n]) for k in ("traj", "group", "batch", "tokens", "v_gen", "v_train")),
+                                 f["t_complete"][n], f["t_admit"][n], True) for n in range(len(i["traj"]))]
+            for t, st in self._trajs.items():
                 if st.meta is None or st.admitted_in is None:
                     continue
                 mb = self._mbs[st.admitted_in]
                 m = st.meta
                 out.append(HandoffRecord(t, m.group_id, m.batch_id, m.num_tokens, m.v_gen, mb.admitted.seq,
                                          st.t_complete, mb.t_admit, mb.released))
-            return out
+            return sorted(out, key=lambda r: r.traj_id)

@@ -28,6 +28,7 @@ at the configured put / get counts.
 from __future__ import annotations
 
 import threading
+import time
 import zlib
 from dataclasses import dataclass, replace
 from typing import Callable, Generic, Mapping, Sequence, TypeVar, Union
@@ -116,7 +117,16 @@ class CorruptPut:
     field: str
 
 
-Fault = Union[UnitLoss, CorruptGet, CorruptPut]
+@dataclass(frozen=True)
+class SlowGet:
+    """The ``on_get``-th get of unit ``unit_id`` hangs for ``seconds`` before answering (a unit stuck in a read)."""
+
+    unit_id: str
+    on_get: int
+    seconds: float
+
+
+Fault = Union[UnitLoss, CorruptGet, CorruptPut, SlowGet]
 
 
 @dataclass(frozen=True)
@@ -177,7 +187,7 @@ class FaultyUnit:
             corrupt = self._fire(CorruptPut, self._puts)
         if corrupt and payloads:
             p = payloads[0]
-            name = corrupt[0].field
+            name = corrupt[0].field if corrupt[0].field in p.tensors else next(iter(p.tensors))  # field by field
             bad = {**p.tensors, name: _flip_one_byte(as_numpy(p.traj_id, name, p.tensors[name]))}
             payloads = [replace(p, tensors=bad), *payloads[1:]]
         return self.inner.put(payloads)
@@ -187,6 +197,9 @@ class FaultyUnit:
             self._check_alive()
             self._gets += 1
             corrupt = self._fire(CorruptGet, self._gets)
+            slow = self._fire(SlowGet, self._gets)
+        for s in slow:
+            time.sleep(s.seconds)  # the injected hang itself (nothing waits on it: it is what a reader must survive)
         chunk = self.inner.get(traj_ids, fields)
         for c in corrupt:
             if c.field in chunk.fields:
@@ -230,21 +243,26 @@ class ProducerBuffer:
         self.units = [u for u in (client.local_unit, *fallback_units) if u is not None]
         self.kept: dict[int, TrajectoryPayload] = {}
         self.reputs = 0
+        self.fallbacks = 0  # puts that went to a fallback unit because an earlier one was lost
 
     def put(self, payloads: Sequence[TrajectoryPayload]) -> str:
         """Put to the first live unit; returns the unit that took them. ``UnitLostError`` only if all are lost."""
         for p in payloads:
-            self.kept[p.traj_id] = p
-        return self._put_somewhere(list(payloads))
+            self.kept[p.traj_id] = _merged(self.kept.get(p.traj_id), p)
+        return self._put_somewhere(list(payloads), [self.kept[p.traj_id] for p in payloads])
 
-    def _put_somewhere(self, payloads: list[TrajectoryPayload]) -> str:
+    def _put_somewhere(self, payloads: list[TrajectoryPayload],
+                       whole: list[TrajectoryPayload] | None = None) -> str:
+        """``payloads`` to the first live unit; a fallback unit gets ``whole`` (every field put so far), since
+        the fields put before went down with the lost unit."""
         err: Exception | None = None
-        for u in self.units:
+        for i, u in enumerate(self.units):
             try:
-                self.client.put(payloads, unit=u)
+                self.client.put(payloads if i == 0 or whole is None else whole, unit=u)
                 return u
             except UnitLostError as e:
                 err = e
+                self.fallbacks += 1
         raise UnitLostError(",".join(self.units), f"no live unit for trajectories "
                                                   f"{[p.traj_id for p in payloads][:8]}") from err
 
@@ -262,6 +280,17 @@ class ProducerBuffer:
             still = set(self.client.controller.unreleased(tuple(self.kept)))
             self.kept = {t: p for t, p in self.kept.items() if t in still}
         return len(self.kept)
+
+
+def _merged(old: TrajectoryPayload | None, new: TrajectoryPayload) -> TrajectoryPayload:
+    """Everything a producer put for one trajectory, field by field (a re-put after a unit loss must carry every
+    field, not only the last put's). Checksums and metadata merge the same way."""
+    if old is None:
+        return new
+    sums = None if old.checksums is None and new.checksums is None else {**(old.checksums or {}),
+                                                                         **(new.checksums or {})}
+    return replace(old, tensors={**old.tensors, **new.tensors}, checksums=sums,
+                   meta=new.meta if new.meta is not None else old.meta)
 
 
 R = TypeVar("R")

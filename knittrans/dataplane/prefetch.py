@@ -32,9 +32,14 @@ class PrefetchConfig:
     """Prepared shares held ahead of the trainer (1: exactly the next mini-batch)."""
     admit_timeout_s: float | None = None
     """Give up waiting for the next admission after this long (None: wait until closed)."""
-    ack_on_fetch: bool = True
-    """Ack each share as soon as it is fetched; False: the trainer calls ``client.ack(share)`` after its optimizer
-    step, so a rank that crashes first gets the share again (``Controller.recover_rank``, docs/reliability.md)."""
+    ack_on_fetch: bool = False
+    """True: ack each share as soon as it is fetched (a rank that crashes before its step loses the prefetched
+    shares: recovery resumes past them). False (the default, never loses data): a share is acked after the
+    trainer's step -- by ``client.ack(share)``, or (``ack_on_next``) when the trainer asks for the next share --
+    so a rank that crashes first gets it again (``Controller.recover_rank``, docs/reliability.md)."""
+    ack_on_next: bool = True
+    """With ``ack_on_fetch`` False: asking for the next share (or ending the iteration) acks the one handed out
+    before it -- the trainer has stepped on it. False: the caller acks every share itself (``Handoff``)."""
 
     def __post_init__(self) -> None:
         if self.depth < 1:
@@ -83,6 +88,7 @@ class Prefetcher:
         self._thread = threading.Thread(target=self._run, name=f"prefetch-rank{self.rank}", daemon=True)
         self._started = False
         self._finished = False
+        self._handed: PackedShare | None = None  # handed out, not acked yet (ack_on_next)
 
     def start(self) -> "Prefetcher":
         if not self._started:
@@ -93,6 +99,9 @@ class Prefetcher:
     def _run(self) -> None:
         seq = self.start_seq
         try:
+            # This incarnation of the rank: after a crash, recover_rank supersedes it, and a zombie of this
+            # prefetcher can then neither claim the new incarnation's share nor ack one (FencedError).
+            self._epoch = self.client.controller.rank_epoch(self.rank)
             while not self._stop.is_set() and (self.count is None or seq < self.start_seq + self.count):
                 t_wait = time.perf_counter()
                 share = self._fetch_when_admitted(seq)
@@ -120,7 +129,7 @@ class Prefetcher:
                                    f"{self.config.admit_timeout_s} s")
             try:
                 return self.client.fetch_next(seq, self.rank, self.fields, timeout=left,
-                                              ack=self.config.ack_on_fetch)
+                                              ack=self.config.ack_on_fetch, epoch=self._epoch)
             except TimeoutError:
                 continue
         return None
@@ -138,6 +147,7 @@ class Prefetcher:
         """The next prepared share (blocks until it is ready). Raises ``StopIteration`` at the end, and
         re-raises any error the worker hit (e.g. ``AlreadyConsumedError``)."""
         self.start()
+        self._ack_previous()
         if self._finished:
             raise StopIteration
         item = self._get(timeout)
@@ -148,8 +158,16 @@ class Prefetcher:
             self._finished = True
             raise item.error
         share, seq, t_wait, t_ready, fetch_s = item
+        if not self.config.ack_on_fetch and self.config.ack_on_next:
+            self._handed = share
         self.events.append(PrefetchEvent(seq, t_wait, t_ready, time.perf_counter(), fetch_s))
         return share
+
+    def _ack_previous(self) -> None:
+        """The trainer asks for the next share (or ends its loop): it has stepped on the one before -- ack it."""
+        share, self._handed = self._handed, None
+        if share is not None:
+            self.client.ack(share)
 
     def _get(self, timeout: float | None) -> object:
         # Sliced so that a close() from another thread (which drains the queue and stops the worker before it
@@ -173,6 +191,7 @@ class Prefetcher:
                 yield self.next()
             except StopIteration:
                 return
+            # (a loop left by an exception -- a crash in the step -- never asks again: its share stays unacked)
 
     def close(self) -> None:
         """Stop the worker after its current fetch (a share it already claimed is dropped with it)."""

@@ -21,6 +21,7 @@ other node string is a logical label (one machine, several "nodes"), which is ho
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -29,9 +30,9 @@ import ray
 from knittrans.dataplane.client import DataPlaneClient, PrepareConfig
 from knittrans.dataplane.controller import Controller, ControllerConfig, ControllerStats, HandoffRecord
 from knittrans.dataplane.storage import StorageUnit, UnitStats
-from knittrans.dataplane.types import (AdmittedMiniBatch, DataPlaneClosedError, DataPlaneError, MiniBatchKey,
-                                       PutRecord, ShareLocation, TrajectoryPayload, TrajectorySchema, UnitChunk,
-                                       UnitLostError)
+from knittrans.dataplane.types import (AdmittedMiniBatch, ControllerLostError, DataPlaneClosedError, DataPlaneError,
+                                       MiniBatchKey, PutRecord, ReadTimeoutError, ShareLocation, TrajectoryPayload,
+                                       TrajectorySchema, UnitChunk, UnitLostError)
 from knittrans.types import BatchPlan, MiniBatch
 
 if TYPE_CHECKING:
@@ -98,19 +99,23 @@ class ControllerActor:
     def next_admitted(self, seq: int, timeout: float | None = None) -> AdmittedMiniBatch:
         return self.ctrl.next_admitted(seq, timeout)
 
-    def claim(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> ShareLocation:
-        return self.ctrl.claim(key, rank, fields)
+    def claim(self, key: MiniBatchKey, rank: int, fields: Sequence[str], epoch: int | None = None) -> ShareLocation:
+        return self.ctrl.claim(key, rank, fields, epoch)
 
-    def claim_next(self, seq: int, rank: int, fields: Sequence[str], timeout: float | None = None) -> ShareLocation:
-        return self.ctrl.claim_next(seq, rank, fields, timeout)
+    def claim_next(self, seq: int, rank: int, fields: Sequence[str], timeout: float | None = None,
+                   epoch: int | None = None) -> ShareLocation:
+        return self.ctrl.claim_next(seq, rank, fields, timeout, epoch)
 
-    def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> None:
+    def rank_epoch(self, rank: int) -> int:
+        return self.ctrl.rank_epoch(rank)
+
+    def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str], epoch: int | None = None) -> None:
         """Record the ack and, when it completes the mini-batch, tell the units to drop it (from here, so the
         rank's ack is one fire-and-forget message off its critical path). The release and the registration of its
         drops happen under one lock that ``wait_drained`` also takes: a caller that saw the version advance
         (``wait_version``) and then waits for the drops always finds this mini-batch's among them."""
         with self._drops_lock:
-            for unit_id, ts in self.ctrl.ack(key, rank, fields):
+            for unit_id, ts in self.ctrl.ack(key, rank, fields, epoch):
                 self._drops.append((unit_id, self.unit_actors[unit_id].drop.remote(ts)))
 
     def wait_drained(self, timeout: float | None = None) -> int:
@@ -160,6 +165,9 @@ class ControllerActor:
     def missing(self) -> tuple[int, ...]:
         return self.ctrl.missing()
 
+    def discard(self, traj_ids: Sequence[int]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        return self.ctrl.discard(traj_ids)
+
     def unreleased(self, traj_ids: Sequence[int]) -> tuple[int, ...]:
         return self.ctrl.unreleased(traj_ids)
 
@@ -173,12 +181,15 @@ class ControllerActor:
         return self.ctrl.wait_released(count, timeout)
 
 
-def _call(ref: "ray.ObjectRef", unit_id: str | None = None):  # noqa: ANN202
+def _call(ref: "ray.ObjectRef", unit_id: str | None = None, timeout: float | None = None):  # noqa: ANN202
     """``ray.get`` that re-raises a data-plane error raised inside an actor as itself (same class, same
     message), so callers catch ``AlreadyConsumedError`` etc. on every transport alike. A storage unit's actor
-    that died (``unit_id`` given) raises ``UnitLostError``."""
+    that died (``unit_id`` given) raises ``UnitLostError``; a read past ``timeout`` raises ``ReadTimeoutError``."""
     try:
-        return ray.get(ref)
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise ReadTimeoutError(f"unit {unit_id or '?'} did not answer a read within {timeout} s (the claim is "
+                               f"undone; retry, or report the unit lost)") from None
     except ray.exceptions.RayTaskError as e:
         if isinstance(e.cause, (DataPlaneError, DataPlaneClosedError, TimeoutError)):
             raise e.cause from None
@@ -186,7 +197,8 @@ def _call(ref: "ray.ObjectRef", unit_id: str | None = None):  # noqa: ANN202
     except ray.exceptions.RayActorError as e:
         if unit_id is not None:
             raise UnitLostError(unit_id, f"its actor died ({type(e).__name__})") from None
-        raise
+        raise ControllerLostError(f"the data plane's controller actor died ({type(e).__name__}): its metadata is "
+                                  f"lost; stop and restart the handoff (no controller restart yet)") from None
 
 
 @dataclass(frozen=True)
@@ -204,16 +216,22 @@ class RayControllerProxy:
     def next_admitted(self, seq: int, timeout: float | None = None) -> AdmittedMiniBatch:
         return _call(self.actor.next_admitted.remote(seq, timeout))
 
-    def claim(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> ShareLocation:
-        return _call(self.actor.claim.remote(key, rank, tuple(fields)))
+    def claim(self, key: MiniBatchKey, rank: int, fields: Sequence[str], epoch: int | None = None) -> ShareLocation:
+        return _call(self.actor.claim.remote(key, rank, tuple(fields), epoch))
 
-    def claim_next(self, seq: int, rank: int, fields: Sequence[str], timeout: float | None = None) -> ShareLocation:
-        return _call(self.actor.claim_next.remote(seq, rank, tuple(fields), timeout))
+    def claim_next(self, seq: int, rank: int, fields: Sequence[str], timeout: float | None = None,
+                   epoch: int | None = None) -> ShareLocation:
+        return _call(self.actor.claim_next.remote(seq, rank, tuple(fields), timeout, epoch))
 
-    def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        # Fire and forget: the controller actor drops released trajectories at their units itself; an ack
-        # follows its own claim from this client, so it cannot be rejected.
-        self.actor.ack.remote(key, rank, tuple(fields))
+    def rank_epoch(self, rank: int) -> int:
+        return _call(self.actor.rank_epoch.remote(rank))
+
+    def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str],
+            epoch: int | None = None) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        # Waited for (one round trip per mini-batch): a fire-and-forget ack that failed (a zombie rank's claim
+        # fenced off, a controller restart) would never release the mini-batch and leave producers waiting in
+        # wait_released for ever. The controller actor still drops released trajectories at their units itself.
+        _call(self.actor.ack.remote(key, rank, tuple(fields), epoch))
         return ()
 
     def lose_unit(self, unit_id: str) -> tuple[int, ...]:
@@ -221,6 +239,9 @@ class RayControllerProxy:
 
     def missing(self) -> tuple[int, ...]:
         return _call(self.actor.missing.remote())
+
+    def discard(self, traj_ids: Sequence[int]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        return _call(self.actor.discard.remote(tuple(traj_ids)))
 
     def unreleased(self, traj_ids: Sequence[int]) -> tuple[int, ...]:
         return _call(self.actor.unreleased.remote(tuple(traj_ids)))
@@ -263,12 +284,13 @@ class RayUnitProxy:
 
     actor: "ray.actor.ActorHandle"
     unit_id: str | None = None  # named in UnitLostError when the actor dies
+    read_timeout_s: float | None = 300.0  # a unit hung in get raises ReadTimeoutError instead of blocking a rank
 
     def put(self, payloads: Sequence[TrajectoryPayload]) -> list[PutRecord]:
         return _call(self.actor.put.remote(list(payloads)), self.unit_id)
 
     def get(self, traj_ids: Sequence[int], fields: Sequence[str]) -> UnitChunk:
-        return _call(self.actor.get.remote(tuple(traj_ids), tuple(fields)), self.unit_id)
+        return _call(self.actor.get.remote(tuple(traj_ids), tuple(fields)), self.unit_id, self.read_timeout_s)
 
     def drop(self, traj_ids: Sequence[int], fields: Sequence[str] | None = None) -> int:
         # Fire and forget: freeing memory is off the critical path; ordering per actor keeps it after the reads.
@@ -281,10 +303,14 @@ class ParallelRayGetter:
     """Issues every unit read before waiting on any, so reads from several units overlap."""
 
     units: Mapping[str, RayUnitProxy]
+    read_timeout_s: float | None = 300.0
+    """Deadline of one share's reads (all units together); past it ``ReadTimeoutError`` and the claim is undone."""
 
     def __call__(self, requests: Sequence[tuple[str, tuple[int, ...]]], fields: Sequence[str]) -> list[UnitChunk]:
         refs = [self.units[u].actor.get.remote(ts, tuple(fields)) for u, ts in requests]
-        return [_call(r, u) for r, (u, _) in zip(refs, requests)]
+        deadline = None if self.read_timeout_s is None else time.monotonic() + self.read_timeout_s
+        return [_call(r, u, None if deadline is None else max(0.0, deadline - time.monotonic()))
+                for r, (u, _) in zip(refs, requests)]
 
 
 def _node_affinity(node: str):  # noqa: ANN202 - a Ray scheduling strategy, or None for a logical label
@@ -306,11 +332,15 @@ class RayDataPlane:
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     checksums: bool = False
     """Clients checksum every put and verify every fetch (``DataPlaneClient.checksums``, docs/reliability.md)."""
+    read_timeout_s: float | None = 300.0
+    """Deadline of a rank's reads from units: a unit hung in ``get`` raises ``ReadTimeoutError`` (the claim is
+    undone) instead of blocking ``fetch_next`` and ``Prefetcher.close`` for ever."""
 
     def client(self, local_unit: str | None = None) -> DataPlaneClient:
-        units = {u: RayUnitProxy(a, u) for u, a in self.unit_actors.items()}
+        units = {u: RayUnitProxy(a, u, self.read_timeout_s) for u, a in self.unit_actors.items()}
         return DataPlaneClient(RayControllerProxy(self.controller_actor), units, self.schema, local_unit,
-                               self.prepare, getter=ParallelRayGetter(units), checksums=self.checksums)
+                               self.prepare, getter=ParallelRayGetter(units, self.read_timeout_s),
+                               checksums=self.checksums)
 
     def unit_stats(self) -> list[UnitStats]:
         return ray.get([a.stats.remote() for a in self.unit_actors.values()])

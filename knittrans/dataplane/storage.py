@@ -6,8 +6,10 @@ to overwrite a field (so a duplicate put can never corrupt a delivered tensor), 
 holds, and forgets trajectories the controller says are fully consumed. All metadata decisions are the
 controller's.
 
-Thread-safe: producers and fetching ranks call it concurrently (a lock guards the index; tensors are immutable
-once stored).
+Thread-safe: producers and fetching ranks call it concurrently (a lock guards the index; tensors are copied on
+put and read-only once stored, so neither the producer nor a reader can change stored bytes). Puts are
+idempotent: a retried put of identical bytes is a no-op (its records are returned again so the controller can
+register them if the first reply was lost); different bytes under a written field raise ``DuplicatePutError``.
 """
 
 from __future__ import annotations
@@ -46,8 +48,15 @@ def validate_payload(schema: TrajectorySchema, p: TrajectoryPayload) -> dict[str
         arr = as_numpy(p.traj_id, name, value)
         schema.get(name).check(p.traj_id, arr)
         out[name] = arr
+    tok = out.get(schema.token_field)
+    if tok is not None and tok.shape[0] == 0:
+        raise SchemaMismatchError(f"trajectory {p.traj_id}: token field {schema.token_field!r} is empty (a trajectory "
+                                  f"has at least one token)")
     for group in schema.same_length:
         lens = {n: int(out[n].shape[0]) for n in group if n in out}
+        if any(v == 0 for v in lens.values()):
+            raise SchemaMismatchError(f"trajectory {p.traj_id}: zero-length response (fields {sorted(lens)} have 0 "
+                                      f"rows; an empty generation carries nothing to train on)")
         if len(set(lens.values())) > 1:
             raise SchemaMismatchError(f"trajectory {p.traj_id}: fields of mismatched length {lens} (schema: "
                                       f"{list(group)} have one row per response token)")
@@ -56,6 +65,14 @@ def validate_payload(schema: TrajectorySchema, p: TrajectoryPayload) -> dict[str
 
         verify_checksums(p.traj_id, out, p.checksums, where="put")
     return out
+
+
+def stored_copy(arr: np.ndarray) -> np.ndarray:
+    """The unit's own read-only copy of a field (copy on put: what the producer does with its buffer afterwards,
+    and what a reader does with what it got, can never change stored bytes)."""
+    own = np.array(arr, copy=True, order="C")
+    own.flags.writeable = False
+    return own
 
 
 class StorageUnit:
@@ -75,23 +92,39 @@ class StorageUnit:
         checked = [validate_payload(self.schema, p) for p in payloads]
         seen: set[tuple[int, str]] = set()
         with self._lock:
+            fresh: list[dict[str, np.ndarray]] = []
             for p, arrs in zip(payloads, checked):
                 held = self._data.get(p.traj_id, {})
-                for name in arrs:
-                    if name in held or (p.traj_id, name) in seen:
+                new = {}
+                for name, arr in arrs.items():
+                    if (p.traj_id, name) in seen:
                         raise DuplicatePutError(f"unit {self.unit_id}: field {name!r} of trajectory {p.traj_id} "
-                                                f"was already written (each field is produced exactly once)")
+                                                f"appears twice in one put")
                     seen.add((p.traj_id, name))
+                    if name in held:
+                        # A retried put (its reply was lost) is a no-op when it carries the same bytes; different
+                        # bytes under the same id are a real duplicate (each field is produced exactly once).
+                        if held[name].shape == arr.shape and np.array_equal(held[name], arr, equal_nan=True):
+                            continue
+                        raise DuplicatePutError(f"unit {self.unit_id}: field {name!r} of trajectory {p.traj_id} "
+                                                f"was already written with different content (each field is "
+                                                f"produced exactly once; an identical retry is a no-op)")
+                    new[name] = arr
+                fresh.append(new)
             records = []
-            for p, arrs in zip(payloads, checked):
-                self._data.setdefault(p.traj_id, {}).update(arrs)
+            for p, arrs, new in zip(payloads, checked, fresh):
+                # Copy on put: a producer that reuses or edits its buffer after put() cannot change stored bytes
+                # (one copy per field; the stored copy is read-only, so no reader can edit it in place either).
+                stored = {name: stored_copy(arr) for name, arr in new.items()}
+                self._data.setdefault(p.traj_id, {}).update(stored)
                 tok = arrs.get(self.schema.token_field)
                 sums = p.checksums or {}
                 records.append(PutRecord(
                     traj_id=p.traj_id, unit_id=self.unit_id,
                     fields=tuple(FieldMeta(n, int(a.nbytes), int(a.shape[0]) if a.ndim else 1, sums.get(n))
                                  for n, a in arrs.items()),
-                    num_tokens=None if tok is None else int(tok.shape[0]), meta=p.meta))
+                    num_tokens=None if tok is None else int(tok.shape[0]), meta=p.meta,
+                    repeated=tuple(n for n in arrs if n not in new)))
         return records
 
     def get(self, traj_ids: Sequence[int], fields: Sequence[str]) -> UnitChunk:

@@ -80,6 +80,24 @@ class CorruptPayloadError(DataPlaneError):
     the message names the trajectory and the field, and nothing stored or claimed was changed."""
 
 
+class ShareTooLargeError(DataPlaneError):
+    """A share whose packed rows overflow the int32 ``cu_seqlens`` of the varlen kernels."""
+
+
+class FencedError(DataPlaneError):
+    """A claim or ack from a rank incarnation that ``recover_rank`` superseded (a zombie prefetcher of the crashed
+    rank): refused, so it can never take or release the new incarnation's mini-batch."""
+
+
+class ReadTimeoutError(DataPlaneError):
+    """A unit did not answer a read within its deadline; the claim was undone (retry, or report the unit lost)."""
+
+
+class ControllerLostError(DataPlaneError):
+    """The controller (on Ray: its actor) died: the metadata of what is stored, admitted and consumed is gone.
+    Not recoverable in place (no controller restart yet, docs/reliability.md); stop and restart the handoff."""
+
+
 class DataPlaneClosedError(RuntimeError):
     """The data plane was closed while a caller waited on it."""
 
@@ -166,7 +184,18 @@ def as_numpy(traj_id: int, name: str, value: object) -> np.ndarray:
         return value
     torch = sys.modules.get("torch")  # a tensor can only exist if torch is already imported
     if torch is not None and isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy()
+        if value.is_meta:
+            raise SchemaMismatchError(f"trajectory {traj_id}: field {name!r} is a meta-device tensor (shape only, no "
+                                      f"data); put the materialised tensor")
+        if value.dtype == torch.bfloat16:
+            raise SchemaMismatchError(f"trajectory {traj_id}: field {name!r} has dtype torch.bfloat16, which numpy "
+                                      f"cannot hold; cast it to float32 before the put (casts back to bf16 happen "
+                                      f"on the trainer: PrepareConfig.casts)")
+        try:
+            return value.detach().cpu().numpy()
+        except (TypeError, RuntimeError) as e:
+            raise SchemaMismatchError(f"trajectory {traj_id}: field {name!r} ({value.dtype} on {value.device}) "
+                                      f"cannot be read as a numpy array: {e}") from None
     raise SchemaMismatchError(f"trajectory {traj_id}: field {name!r} must be a numpy array or torch tensor, "
                               f"got {type(value).__name__}")
 
@@ -205,6 +234,9 @@ class PutRecord:
     fields: tuple[FieldMeta, ...]
     num_tokens: int | None  # length of the token field, if this put carried it
     meta: Trajectory | None = None  # the payload's admission metadata, forwarded to the controller
+    repeated: tuple[str, ...] = ()
+    """Fields the unit already held with identical bytes (a retried put): the controller registers them only if
+    the first reply was lost, and a rollback never drops them (they belong to the first put)."""
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -242,6 +274,7 @@ class ShareLocation:
     checksums: tuple[tuple[int | None, ...], ...] = ()  # checksums[f][i]: field f of traj_ids[i]; () when none
     seq: int = -1  # the mini-batch's admission order (its training step), -1 when unknown
     group_ids: tuple[int, ...] = ()  # every group of the mini-batch (all ranks' shares together)
+    epoch: int = -1  # the rank incarnation that claimed it (``Controller.rank_epoch``); -1: unfenced
 
 
 @dataclass(frozen=True)
@@ -284,6 +317,8 @@ class PackedShare:
     """The mini-batch's admission order: the policy version of the step that trains on it (``v_train``)."""
     group_ids: tuple[int, ...] = ()
     """Every group of the mini-batch (all ranks' shares): what a step's completion releases from flow control."""
+    epoch: int = -1
+    """The rank incarnation that claimed it (-1: unfenced); its ack carries it."""
 
     def __getitem__(self, name: str) -> torch.Tensor:
         try:

@@ -6,11 +6,11 @@ its local unit, as it writes the trajectory's other fields to the same unit (``k
 samples of a GRPO group share the prompt's images, so the unit holds one copy per distinct image (bytes compared
 on every key hit, see ``store.py``).
 
-Fetch: a rank gathers the (unit, slot) of every image occurrence of its share, in the share's order, reads each
-distinct (unit, slot) once, and returns an ``ImageSet`` of distinct images plus, per trajectory, the indices into
-it (``TrainSample.image_ids``), which is all the dedup trainer path (``gather.py``) needs. Dedup is exact within a
-unit; the same content on two units (a group split across engines) is moved once per unit, because proving two
-units' copies equal would need their bytes in one place (a key match alone is not proof).
+Fetch: a rank gathers the (unit, slot, grid) of every image occurrence of its share, in the share's order, reads
+each distinct (unit, slot, grid) once, and returns an ``ImageSet`` of distinct images plus, per trajectory, the
+indices into it (``TrainSample.image_ids``), which is all the dedup trainer path (``gather.py``) needs. Dedup is
+exact within a unit; the same content on two units (a group split across engines) is moved once per unit,
+because proving two units' copies equal would need their bytes in one place (a key match alone is not proof).
 
 Consumption: ``consume`` releases the trajectories' references after the trainer step that used them; a slot is
 freed with its last reference (nothing freed early: a later mini-batch's trajectory still holds its own).
@@ -36,7 +36,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from knittrans.mmdedup.gather import ImageSet
-from knittrans.mmdedup.keys import EncodingInputError, HashFn, encoding_hash_fn
+from knittrans.mmdedup.keys import EncodingInputError, HashFn, check_finite_pixels, check_grid, encoding_hash_fn
 from knittrans.mmdedup.store import EncodingRef, EncodingStore, EncodingStoreError, StoreStats
 
 
@@ -82,9 +82,11 @@ class EncodingPlane:
         if len(encodings) != len(grids):
             raise EncodingInputError(f"trajectory {traj_id}: {len(encodings)} encodings but {len(grids)} grids")
         for i, (e, g) in enumerate(zip(encodings, grids)):
-            if len(g) != 3 or min(g) < 1 or not isinstance(e, torch.Tensor) or g[0] * g[1] * g[2] != e.shape[0]:
-                raise EncodingInputError(f"trajectory {traj_id} image {i}: grid_thw {tuple(g)} does not match "
-                                         f"pixel values of shape {tuple(getattr(e, 'shape', ()))}")
+            if not isinstance(e, torch.Tensor):
+                raise EncodingInputError(f"trajectory {traj_id} image {i}: pixel values must be a torch.Tensor, "
+                                         f"got {type(e).__name__}")
+            check_grid(f"trajectory {traj_id} image {i}", g, e.shape[0])
+            check_finite_pixels(f"trajectory {traj_id} image {i}", e)
         with self._lock:
             if traj_id in self._occ:
                 raise EncodingStoreError(f"trajectory {traj_id} already has images registered")
@@ -103,18 +105,21 @@ class EncodingPlane:
                 raise EncodingStoreError(f"trajectory {traj_id} has no registered images (never registered, or "
                                          f"already consumed)") from None
 
-    def fetch(self, traj_ids: Sequence[int], copy: bool = False) -> DistinctFetch:
-        """Each distinct (unit, slot) of these trajectories' images, read once. ``copy`` materialises a private
-        copy per distinct image (what a cross-process transport delivers); False hands out the stored tensors."""
+    def fetch(self, traj_ids: Sequence[int], copy: bool = True) -> DistinctFetch:
+        """Each distinct (unit, slot, grid) of these trajectories' images, read once. ``copy`` (the default)
+        materialises a private copy per distinct image, so a consumer's in-place edit cannot change what the next
+        mini-batch receives; False hands out the stored tensors (only for a caller that never writes them)."""
         occ = {t: self.occurrences(t) for t in traj_ids}  # raises before anything is read
-        index: dict[tuple[str, int], int] = {}
+        index: dict[tuple[str, int, tuple[int, int, int]], int] = {}
         order: list[ImageOccurrence] = []
         image_ids: dict[int, tuple[int, ...]] = {}
         occ_bytes = n_occ = 0
         for t in traj_ids:
             ids = []
             for o in occ[t]:
-                k = (o.unit_id, o.ref.slot)
+                # the grid is part of the key: identical bytes shown as 56x84 and as 84x56 are two images to the
+                # encoder (M-RoPE positions differ), so each keeps its own grid
+                k = (o.unit_id, o.ref.slot, o.grid_thw)
                 if k not in index:
                     index[k] = len(order)
                     order.append(o)

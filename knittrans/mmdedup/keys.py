@@ -66,6 +66,27 @@ def check_encoding(t: torch.Tensor, allowed: tuple[torch.dtype, ...] = (torch.fl
     if t.ndim != 2 or t.shape[0] == 0 or t.shape[1] == 0:
         raise EncodingInputError(f"pixel values have shape {tuple(t.shape)}; expected a non-empty "
                                  f"[patches, patch_dim] tensor")
+    if t.is_meta:
+        raise EncodingInputError("pixel values are a meta-device tensor (shape only, no data)")
+
+
+def check_finite_pixels(owner: str, t: torch.Tensor) -> None:
+    """Training images must be finite: one NaN pixel poisons the encoder's gradients for the whole step (one pass
+    over the pixels, at the put of a trajectory; the store itself compares bytes and accepts any value)."""
+    if not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise EncodingInputError(f"{owner}: pixel values hold {bad} non-finite value(s) (NaN or inf)")
+
+
+def check_grid(owner: str, grid: object, rows: int) -> tuple[int, int, int]:
+    """``grid`` as a (t, h, w) of positive ints whose product is ``rows`` (the pixel rows of its image), or
+    ``EncodingInputError`` naming ``owner``."""
+    g = tuple(grid) if isinstance(grid, (tuple, list)) else ()
+    if len(g) != 3 or not all(isinstance(x, int) and not isinstance(x, bool) for x in g):
+        raise EncodingInputError(f"{owner}: grid_thw must be three ints (t, h, w), got {grid!r}")
+    if min(g) < 1 or g[0] * g[1] * g[2] != rows:
+        raise EncodingInputError(f"{owner}: grid_thw {g} does not match pixel values with {rows} rows")
+    return g  # type: ignore[return-value]
 
 
 def content_keys(tensors: Sequence[torch.Tensor], hash_fn: HashFn = encoding_hash_fn) -> list[EncodingKey]:

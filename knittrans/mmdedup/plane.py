@@ -62,7 +62,8 @@ from knittrans.dataplane.storage import StorageUnit, validate_payload
 from knittrans.dataplane.types import (DuplicatePutError, FieldSpec, PackedShare, PutRecord, SchemaMismatchError,
                                        ShareLocation, TrajectoryPayload, TrajectorySchema, UnitChunk)
 from knittrans.mmdedup.gather import ImageSet
-from knittrans.mmdedup.keys import EncodingInputError, HashFn, check_encoding, encoding_hash_fn
+from knittrans.mmdedup.keys import (EncodingInputError, HashFn, check_encoding, check_finite_pixels, check_grid,
+                                    encoding_hash_fn)
 from knittrans.mmdedup.store import EncodingRef, EncodingStore, StoreStats
 from knittrans.types import MiniBatch
 
@@ -133,9 +134,8 @@ def _check_images(p: MMPayload) -> None:
         raise EncodingInputError(f"trajectory {p.traj_id}: {len(p.encodings)} encodings but {len(p.grids)} grids")
     for i, (e, g) in enumerate(zip(p.encodings, p.grids)):
         check_encoding(e)
-        if len(g) != 3 or min(g) < 1 or g[0] * g[1] * g[2] != e.shape[0]:
-            raise EncodingInputError(f"trajectory {p.traj_id} image {i}: grid_thw {tuple(g)} does not match pixel "
-                                     f"values of shape {tuple(e.shape)}")
+        check_finite_pixels(f"trajectory {p.traj_id} image {i}", e)
+        check_grid(f"trajectory {p.traj_id} image {i}", g, e.shape[0])
 
 
 class MMStorageUnit(StorageUnit):
@@ -266,6 +266,10 @@ class MMController(Controller):
             if g is not None and g >= 0:
                 self._group[r.traj_id] = g
 
+    def _forget_locked(self, traj_ids: Sequence[int]) -> None:
+        for t in traj_ids:
+            self._group.pop(t, None)
+
     def _assign(self, items: Sequence[ShareItem], mb: MiniBatch) -> tuple[tuple[int, ...], ...]:
         groups: dict[int, list[ShareItem]] = {}
         for it in items:
@@ -303,10 +307,12 @@ class MMClient(DataPlaneClient):
             values = list(ch.values)
             values[f] = values[f] + offset
             shifted.append(replace(ch, values=tuple(values)))
-            with warnings.catch_warnings():  # object-store views are read-only; the trainer never writes pixels
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 for a in ch.pixels:
-                    x = torch.from_numpy(a)
+                    # a private copy: in process ``a`` is the unit's stored tensor, on Ray a shared object-store
+                    # view; either way a consumer's in-place edit must not reach what the next mini-batch reads
+                    x = torch.from_numpy(np.array(a, copy=True))
                     pixels.append(x.view(torch.bfloat16) if ch.pixel_dtype == "bfloat16" else x)
             grids += ch.grids
             occ_bytes += ch.occurrence_nbytes

@@ -34,6 +34,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from knittrans.dataplane.idset import IdRanges
 from knittrans.mmdedup.keys import EncodingKey, HashFn, check_encoding, content_keys, encoding_hash_fn
 
 
@@ -90,7 +91,7 @@ class EncodingStore:
         self._by_key: dict[EncodingKey, list[int]] = {}
         self._slots: dict[int, _Slot] = {}
         self._traj: dict[int, tuple[EncodingRef, ...]] = {}
-        self._consumed: set[int] = set()
+        self._consumed = IdRanges()  # consumed ids as ranges: flat memory however long the run (issue 13)
         self._next_slot = 0
         self._puts = self._hits = self._collisions = self._frees = 0
         self._live_bytes = self._peak_bytes = 0
@@ -134,7 +135,7 @@ class EncodingStore:
             self._release_locked(refs)
             for t in ids:
                 del self._traj[t]
-                self._consumed.add(t)
+            self._consumed.update(ids)
 
     # -- slot-level API -------------------------------------------------------------------------------------
 

@@ -403,7 +403,8 @@ class Orchestrator:
                                 step_s=res.step_s, tokens=res.tokens,
                                 mean_reward=sum(r.reward for r in recs) / len(recs),
                                 mean_staleness=sum(r.staleness for r in recs) / len(recs), clip_frac=res.clip_frac,
-                                loss=res.loss, kl=res.kl))
+                                loss=res.loss, kl=res.kl, encoder_patches=res.encoder_patches,
+                                occurrence_patches=res.occurrence_patches))
         if self.cfg.eval_every and res.version % self.cfg.eval_every == 0:
             snapshots[res.version] = self.learner.weights()
         if self.cfg.mode is not ExecutionMode.COLOCATED and self._sync_due(share):

@@ -66,6 +66,11 @@ class StepResult:
     """Response tokens in the step (loss-masked ones)."""
     step_s: float
     """Wall time of forward + backward + optimizer step."""
+    encoder_patches: int = 0
+    """Image patches the vision encoder ran over in this step (multimodal learners; 0 for text). With encoding
+    dedup: the patches of the share's distinct images."""
+    occurrence_patches: int = 0
+    """Image patches of every (sample, image) occurrence in the step: what an encoder without dedup runs over."""
 
 
 @runtime_checkable

@@ -60,6 +60,10 @@ class StepRecord:
     clip_frac: float
     loss: float
     kl: float
+    encoder_patches: int = 0
+    """Image patches the learner's vision encoder ran over in this step (``StepResult.encoder_patches``)."""
+    occurrence_patches: int = 0
+    """Image patches of every sample's images in this step (what an encoder without dedup would run over)."""
 
 
 @dataclass(frozen=True)

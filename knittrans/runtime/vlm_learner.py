@@ -204,15 +204,16 @@ class MMGRPOLearner:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         self.opt.step()
         self.version += 1
-        self.encoded_patches += batch.encoder_patches(dedup=self.dedup)
-        self.occurrence_patches += batch.encoder_patches(dedup=False)
+        encoded, occurring = batch.encoder_patches(dedup=self.dedup), batch.encoder_patches(dedup=False)
+        self.encoded_patches += encoded
+        self.occurrence_patches += occurring
         eps, m, n_tok = self.cfg.clip_eps, batch.loss_mask[:, 1:], surr.tokens
         with torch.no_grad():
             clipped = (((surr.ratio < 1 - eps) | (surr.ratio > 1 + eps)) & m).sum() / n_tok
             mean_ratio = (surr.ratio * m).sum() / n_tok
         return StepResult(version=self.version, loss=float(loss.detach()), clip_frac=float(clipped),
                           mean_ratio=float(mean_ratio), kl=float(kl.detach()), tokens=int(m.sum()),
-                          step_s=time.perf_counter() - t0)
+                          step_s=time.perf_counter() - t0, encoder_patches=encoded, occurrence_patches=occurring)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """A detached copy of the current weights (what a sync point sends to the rollout engines)."""

@@ -163,6 +163,9 @@ class Claim:
     the claim has no gate."""
     comparison: str = ""
     """What the compared arms share (budget, throughput match, data): the one thing that changes, stated."""
+    gate_needs: Callable[[], str] | None = None
+    """For a gate that only means something on some hardware: returns "" where it applies, else why not (the gate
+    then skips this claim, which fails ``python -m repro.gates`` unless ``--allow-skip table/claim`` says so)."""
 
     def __post_init__(self) -> None:
         if self.kind is ClaimKind.TARGET and self.bound is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from repro.reliability import ReliabilityConf, load_inprocess, load_ray, ray_init
+from workloads.reliability_load import LoadConfig, load_inprocess, load_ray, ray_init
 
 
 def _exact(res, n):
@@ -17,14 +17,14 @@ def _exact(res, n):
 
 
 def test_small_load_in_process_is_exact_and_frees_storage():
-    cfg = ReliabilityConf(load_trajectories=6000, load_minibatch=300, producers=3, ranks=2, window=2)
+    cfg = LoadConfig(load_trajectories=6000, load_minibatch=300, producers=3, ranks=2, window=2)
     _exact(load_inprocess(cfg), 6000)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["inprocess", "ray"])
 def test_100k_trajectories_with_concurrent_producers_and_consumers_lose_nothing(transport):
-    cfg = ReliabilityConf(load_trajectories=100_000)
+    cfg = LoadConfig(load_trajectories=100_000)
     if transport == "ray":
         import ray
 

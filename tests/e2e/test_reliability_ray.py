@@ -14,7 +14,8 @@ from knittrans.dataplane.faults import (CorruptGet, CorruptPut, FaultPlan, Produ
 from knittrans.dataplane.ray_transport import build_ray  # noqa: E402
 from knittrans.dataplane.types import CorruptPayloadError, DataLostError, UnitLostError  # noqa: E402
 from knittrans.types import MiniBatch  # noqa: E402
-from repro.reliability import ReliabilityConf, _units_empty, load_ray  # noqa: E402
+from workloads.reliability_faults import units_empty  # noqa: E402
+from workloads.reliability_load import LoadConfig, load_ray  # noqa: E402
 from workloads.text_data import TEXT_SCHEMA, TextDataConfig, make_text_batch  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -90,7 +91,7 @@ def test_lost_unit_on_ray_is_reput_and_never_yields_a_partial_share(ray_local):
             got += share.traj_ids
             for t, arr in _rows(share, "input_ids").items():
                 np.testing.assert_array_equal(arr, by_id[t].input_ids)
-        assert _units_empty(dp)
+        assert units_empty(dp)
         assert dp.controller_stats().released_minibatches == 1
     finally:
         dp.close()
@@ -116,6 +117,60 @@ def test_a_dead_unit_actor_reads_as_a_lost_unit(ray_local):
 
 
 def test_small_concurrent_load_on_ray_is_exact_and_frees_storage(ray_local):
-    res = load_ray(ReliabilityConf(load_trajectories=3000, load_minibatch=250, window=2))
+    res = load_ray(LoadConfig(load_trajectories=3000, load_minibatch=250, window=2))
     assert res.lost == 0 and res.duplicated == 0 and res.delivered == 3000
     assert res.final_unit_bytes == 0 and res.peak_unit_trajectories <= res.bound_trajectories
+
+
+def test_chaos_on_ray_trains_every_trajectory_exactly_once_with_its_bytes(ray_local):
+    """The chaos driver on actors (short): random faults from every class, exact accounting, every byte checked."""
+    from workloads.chaos import CLASSES, ChaosConfig, run_chaos
+
+    units = {"u0": "n0", "u1": "n1", "u2": "n2"}
+    r = run_chaos("ray", lambda plan: build_ray(TEXT_SCHEMA, units, RANKS, checksums=True, faults=plan),
+                  lambda dp, u: ray.get(dp.unit_actors[u].restart.remote(), timeout=30),
+                  ChaosConfig(trajectories=300, minibatch=30, seed=1, fault_rate=0.3, timeout_s=30))
+    assert (r.trained, r.lost, r.duplicated, r.corrupted) == (300, 0, 0, 0)
+    assert dict(r.survived) == dict(r.injected)
+    assert {CLASSES[k] for k in r.injected} == {"lost_data", "retries", "corruption", "hang"}
+
+
+def test_a_unit_hung_in_get_ends_the_read_at_its_deadline_and_undoes_the_claim(ray_local):
+    """A read has a deadline on Ray: a unit that never answers raises ReadTimeoutError (the claim is undone, so a
+    retry after the unit recovers gets the share) instead of blocking the rank for ever."""
+    import dataclasses
+    import time
+
+    from knittrans.dataplane.types import ReadTimeoutError
+
+    from knittrans.dataplane.faults import SlowGet
+
+    dp = dataclasses.replace(build_ray(TEXT_SCHEMA, {"u0": "n0"}, ("n0",), faults=FaultPlan((SlowGet("u0", 1, 4.0),))),
+                             read_timeout_s=1.0)
+    try:
+        c = dp.client("u0")
+        batch = _batch(seed=2)
+        c.put([t.payload() for t in batch.trajectories[:4]])
+        mb = MiniBatch(0, 0, tuple(t.traj_id for t in batch.trajectories[:4]), (0,), 0)
+        c.admit(mb)
+        t0 = time.perf_counter()
+        with pytest.raises(ReadTimeoutError, match="did not answer a read within"):
+            c.fetch(mb, 0)
+        assert time.perf_counter() - t0 < 3.5  # ended at its deadline, not when the unit woke up
+        time.sleep(3.0)  # the unit wakes up; its late answer is discarded
+        assert c.fetch(mb, 0).traj_ids == mb.traj_ids  # the claim was undone: the retry gets the whole share
+    finally:
+        dp.close()
+
+
+def test_a_dead_controller_actor_is_a_typed_error_not_a_raw_actor_error(ray_local):
+    from knittrans.dataplane.types import ControllerLostError
+
+    dp = build_ray(TEXT_SCHEMA, {"u0": "n0"}, ("n0",))
+    try:
+        ray.kill(dp.controller_actor)
+        with pytest.raises(ControllerLostError, match="controller actor died"):
+            dp.client("u0").put([TrajectoryPayload(0, {"input_ids": np.arange(3)})])
+    finally:
+        for a in dp.unit_actors.values():
+            ray.kill(a)

@@ -9,8 +9,8 @@ import json
 
 import torch
 
-from repro.quality import QualityConfig, candidates, run_table
-from repro.spec.quality import ARMS, QualityRun, ThroughputProbe
+from repro.quality import MMQuality, QualityConfig, candidates, run_table
+from repro.spec.quality import ARMS, MM_ARMS, MMQualityRun, QualityRun, ThroughputProbe
 from repro.trials import read_trials
 
 torch.set_num_threads(1)
@@ -40,3 +40,33 @@ def test_quality_table_logs_typed_trials_and_writes_the_results_contract(tmp_pat
     with gzip.open(out / "traces" / "knittrans_matched-seed1.csv.gz", "rt") as f:
         trace = list(csv.DictReader(f))
     assert len(trace) == 2 * 4 * 2 and all(int(r["v_train"]) >= int(r["v_gen"]) >= 0 for r in trace)
+
+
+def test_multimodal_quality_run_logs_rows_without_verdicts_and_the_encoder_once_per_image(tmp_path):
+    out = tmp_path / "quality-multimodal"
+    mm = MMQuality(seeds=[0], num_batches=2, prompts_per_batch=4, group_size=4, num_minibatches=2,
+                   warm_max_steps=2, eval_every=2, heldout=8, wave_groups=1, out_dir=str(out))
+    results = run_table(QualityConfig(workload="multimodal", mm=mm, out_dir=str(tmp_path / "unused")))
+    results.write(config=mm, seed=0)
+    for f in ("summary.json", "table.md", "quality_curves.png", "trials.jsonl"):
+        assert (out / f).exists(), f
+    runs = read_trials(out / "trials.jsonl").rows
+    assert all(isinstance(r, MMQualityRun) for r in runs)
+    assert sorted(r.arm for r in runs) == sorted(MM_ARMS) and {r.seed for r in runs} == {0}
+    budgets = {r.arm: r.budget_groups for r in runs}
+    assert budgets == {"colocated": 0, "train_batch": 4, "knittrans": 4}  # two mini-batches of 2 groups
+    for r in runs:
+        assert r.steps == 4 and 0 <= r.auc <= 1 and 0 <= r.sampled_auc <= 1 and r.staleness_max <= r.staleness_bound
+        # every sample's image counted, the encoder over each share's distinct images: n = 4 times fewer
+        assert r.occurrence_patches == 2 * 4 * 4 * 36 and r.occurrence_patches >= 4 * r.encoder_patches > 0
+    claims = json.loads((out / "summary.json").read_text())["claims"]
+    assert claims and all(c["table"] == "quality-multimodal" and c["status"] == "info" for c in claims)
+    colo = next(c for c in claims if c["name"] == "mmquality_staleness_colocated")
+    assert colo["measured"] == 0.5  # (M - 1) / 2
+
+
+def test_a_batch_smaller_than_its_mini_batch_count_is_refused_not_looped_forever():
+    import pytest
+
+    with pytest.raises(ValueError, match="positive multiple of num_minibatches=16"):
+        candidates(QualityConfig(prompts_per_batch=8, num_minibatches=16))

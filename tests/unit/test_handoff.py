@@ -113,8 +113,11 @@ def test_rejected_puts_change_nothing_and_name_the_problem():
         h.put([rollout(3, resp=9)])
     assert h.stats()[0].trajectories == 0 and all(u.num_trajectories == 0 for u in h.stats()[1])
     h.put([rollout(t) for t in range(P * N)])  # the same ids are still accepted: nothing half-written
-    with pytest.raises(DuplicatePutError):
-        h.put([rollout(0)])
+    before = h.stats()
+    h.put([rollout(0)])  # a retried put of identical content (its reply was lost) is a no-op
+    assert h.stats() == before
+    with pytest.raises(DuplicatePutError, match="different content"):
+        h.put([rollout(0, resp=2)])
     with pytest.raises(ValueError, match="built for"):
         Handoff(cfg(), policy=make_policy("knittrans", HandoffConfig.grpo(2, 2, 2, 8).constraints))
     with pytest.raises(AdmissionError, match="already added"):

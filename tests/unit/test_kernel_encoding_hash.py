@@ -185,3 +185,18 @@ def test_no_collisions_among_all_two_byte_inputs_and_single_bit_images():
     flips = [img] + [img.clone().index_fill_(0, torch.tensor([i]), 1 << (i % 8)) for i in range(0, img.numel(), 97)]
     keys = encoding_hash(flips)
     assert torch.unique(keys, dim=0).shape[0] == len(flips)
+
+
+def test_the_float32_block_sums_are_exact_even_at_the_int8_extremes():
+    """The CPU path without an int8 dot product: chunked fp32 GEMM, exact because every chunk's dot product stays
+    within 2^24; compared with the exact float64 product on random rows and on rows of -128 against K."""
+    from triton_kernels.encoding_hash.reference import BLOCK_BYTES, block_sums_f32, mixing_matrix
+
+    k = mixing_matrix()
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(-128, 128, (8, BLOCK_BYTES), generator=g, dtype=torch.int8)
+    extremes = torch.stack([torch.full((BLOCK_BYTES,), -128, dtype=torch.int8),
+                            torch.where(k[:, 0] < 0, -128, 127).to(torch.int8)])  # |dot| as large as it gets
+    for r in (rows, extremes):
+        exact = (r.to(torch.float64) @ k.to(torch.float64)).to(torch.int32)
+        assert torch.equal(block_sums_f32(r, k), exact)
