@@ -1,24 +1,23 @@
 """Learning quality on the real system, every trajectory through the handoff: colocated vs disaggregated with
-train-batch admission vs disaggregated with KnitTrans admission at train-batch's budget and at a
-throughput-matched budget.
+train-batch admission vs disaggregated with KnitTrans admission at train-batch's budget and a throughput-matched one.
 
-A ~130K-parameter Llama-style policy learns "ab+c=" arithmetic with GRPO on CPU (HF engine in one thread, GRPO
-trainer in another, ``knittrans.runtime``). Per seed, every arm starts from the same warm-started weights and
-prompt stream (a paired comparison) and runs the same number of optimizer steps; the arms of a seed run back to
-back, the order rotating with the seed. Claims, rows and their definitions: ``repro/spec/quality.py``.
+A ~130K-parameter Llama-style policy learns "ab+c=" arithmetic with GRPO on CPU (HF engine in one thread, GRPO trainer
+in another, ``knittrans.runtime``). Per seed, every arm starts from the same warm-started weights and prompt stream (a
+paired comparison) and runs the same number of optimizer steps; the arms of a seed run back to back, the order
+rotating with the seed. Claims, rows and their definitions: ``repro/spec/quality.py``.
 
-The throughput match comes first: short probe runs of train-batch (budget P) and of KnitTrans at each candidate
-budget alternate within each of ``match_passes`` passes; KnitTrans's matched budget is the smallest whose median
-raw steps/s ratio to train-batch's (same pass) is >= ``match_target``. The main runs then report the match they
-actually got (``quality_throughput_match``) beside the claim.
+The throughput match comes first: short probe runs of train-batch (budget P) and of KnitTrans at each candidate budget
+alternate within each of ``match_passes`` passes; KnitTrans's matched budget is the smallest whose median raw steps/s
+ratio to train-batch's (same pass) is >= ``match_target``. The main runs then report the match they actually got
+(``quality_throughput_match``) beside the claim.
 
 Run: ``python -m repro.quality`` (defaults in repro/conf/quality.yaml; a smoke run: ``seeds=[0,1] num_batches=4
 prompts_per_batch=8 num_minibatches=4 match_batches=2 match_passes=1 warm_steps=10 eval_every=4 heldout=32``).
 
 ``python -m repro.quality workload=multimodal`` (settings under ``mm.``, results in ``mm.out_dir``, table
 ``quality-multimodal``): the tiny Qwen2-VL on the counting task (``workloads.vlm_session``), GRPO through the same
-orchestrator and multimodal handoff, arms colocated / train-batch / KnitTrans at a configured budget; every claim
-of that table is a measurement (no verdict; ``repro/spec/quality.py`` says why).
+orchestrator and multimodal handoff, arms colocated / train-batch / KnitTrans at a configured budget; every claim of
+that table is a measurement (no verdict; ``repro/spec/quality.py`` says why).
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ from knittrans.runtime.records import RunResult, write_trace
 from knittrans.runtime.trainer import GRPOConfig
 from repro.spec.quality import ARMS, MM_ARMS, MMQualityRun, QualityRun, ThroughputProbe, matched_budget
 from workloads.arith import ArithTask
-from workloads.arith_session import arith_setup, evaluate_snapshots, heldout_problems, run_mode
+from workloads.arith_session import RolloutEngines, arith_setup, evaluate_snapshots, heldout_problems, run_mode
 from workloads.tiny_models import TinyPolicyConfig, WarmStartConfig
 
 
@@ -131,6 +130,8 @@ class QualityConfig:
     """Held-out problems (fixed set, greedy decoding)."""
     threads: int = 1
     """torch intra-op threads per side (the disaggregated modes run two sides at once on 2 cores)."""
+    engine: str = "hf"
+    """Rollout engine: hf, or vllm in the vLLM environment (2-core size there and numbers: docs/runtime.md)."""
     logger: str = "none"
     """Experiment logger: wandb (offline unless WANDB_MODE=online) or none."""
     out_dir: str = "results/quality"
@@ -167,7 +168,7 @@ def rotate(xs: list, k: int) -> list:
     return xs[k:] + xs[:k]
 
 
-def probe(cfg: QualityConfig, setup) -> list[ThroughputProbe]:  # noqa: ANN001 - an ArithSetup
+def probe(cfg: QualityConfig, setup, engines: RolloutEngines) -> list[ThroughputProbe]:  # noqa: ANN001 - ArithSetup
     """Short runs of train-batch and of KnitTrans at each candidate budget, alternating within each pass."""
     P = cfg.trainbatch_budget or cfg.prompts_per_batch
     arms = [("train_batch", P)] + [("knittrans", b) for b in candidates(cfg)]
@@ -175,7 +176,7 @@ def probe(cfg: QualityConfig, setup) -> list[ThroughputProbe]:  # noqa: ANN001 -
     for k in tqdm(range(cfg.match_passes), desc="throughput probes", unit="pass"):
         for arm, budget in rotate(arms, k):
             rc = runtime_config(cfg, arm, budget, setup.seed, num_batches=cfg.match_batches)
-            run = run_mode(rc, setup, make_policy=make_policy)
+            run = run_mode(rc, setup, engine=engines(setup), make_policy=make_policy)
             rows.append(ThroughputProbe(seed=setup.seed, pass_index=k, arm=arm, budget_groups=budget,
                                         steps_per_s=run.throughput_steps_per_s(),
                                         staleness_mean=run.staleness_stats.mean))
@@ -195,13 +196,13 @@ class Curve:
     staleness: np.ndarray
 
 
-def run_seed(cfg: QualityConfig, setup, budgets: dict[str, int], problems, bar) -> tuple[list[QualityRun], list[Curve]]:  # noqa: ANN001,E501
+def run_seed(cfg: QualityConfig, setup, budgets: dict[str, int], problems, bar, engines: RolloutEngines) -> tuple[list[QualityRun], list[Curve]]:  # noqa: ANN001,E501
     """Every arm from this seed's warm start, back to back (the order rotates with the seed)."""
     rows, curves = [], []
     for order, arm in enumerate(rotate(list(ARMS), setup.seed)):
         system = "knittrans" if arm.startswith("knittrans") else arm
         rc = runtime_config(cfg, system, budgets[arm], setup.seed, eval_every=cfg.eval_every)
-        run = run_mode(rc, setup, make_policy=make_policy)
+        run = run_mode(rc, setup, engine=engines(setup), make_policy=make_policy)
         steps, acc, wall = evaluate_snapshots(setup, run, problems, max_new_tokens=rc.max_new_tokens)
         write_trace(run, f"{cfg.out_dir}/traces/{arm}-seed{setup.seed}.csv.gz")
         rows.append(row(arm, order, rc, run, acc))
@@ -328,18 +329,17 @@ def run_mm_table(cfg: QualityConfig):  # noqa: ANN201 - a repro.results.Results
     return results
 
 
-def run_table(cfg: QualityConfig):  # noqa: ANN201 - a repro.results.Results
+def run_table(cfg: QualityConfig, engines: RolloutEngines | None = None):  # noqa: ANN201 - a repro.results.Results
     from repro.results import Results
 
+    engines = engines or RolloutEngines(cfg.engine)  # a caller (a test) may share one vLLM engine
     torch.set_num_threads(cfg.threads)
-    if cfg.workload == "multimodal":
+    if cfg.workload == "multimodal" and cfg.engine == "hf":
         return run_mm_table(cfg)
     if cfg.workload != "text":
-        raise ValueError(f"QualityConfig.workload must be text or multimodal, got {cfg.workload!r}")
-    results = Results(table="quality", out_dir=cfg.out_dir)
-    t_start = time.perf_counter()
-    task = ArithTask()
-    problems = heldout_problems(task, cfg.heldout)
+        raise ValueError(f"QualityConfig: workload={cfg.workload!r} engine={cfg.engine!r}; text, or multimodal with hf")
+    results, t_start = Results(table="quality", out_dir=cfg.out_dir), time.perf_counter()
+    problems = heldout_problems(task := ArithTask(), cfg.heldout)
     grpo = GRPOConfig(lr=cfg.lr, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef)
 
     def setup_of(seed: int):  # noqa: ANN202
@@ -351,14 +351,14 @@ def run_table(cfg: QualityConfig):  # noqa: ANN201 - a repro.results.Results
     if cfg.knittrans_budget:
         matched, ratio = cfg.knittrans_budget, float("nan")
     else:
-        probes = probe(cfg, first)
+        probes = probe(cfg, first, engines)
         matched, ratio = matched_budget(probes, cfg.match_target)
     budgets = {"colocated": 0, "train_batch": P, "knittrans_same_budget": P, "knittrans_matched": matched}
     rows: list[QualityRun] = []
     curves: list[Curve] = []
     with tqdm(total=len(cfg.seeds) * len(ARMS), desc="quality runs", unit="run") as bar:
         for seed in cfg.seeds:
-            r, c = run_seed(cfg, first if seed == cfg.seeds[0] else setup_of(seed), budgets, problems, bar)
+            r, c = run_seed(cfg, first if seed == cfg.seeds[0] else setup_of(seed), budgets, problems, bar, engines)
             rows += r
             curves += c
     results.set_trials([*probes, *rows])
@@ -366,7 +366,7 @@ def run_table(cfg: QualityConfig):  # noqa: ANN201 - a repro.results.Results
     plot(curves, results)
     results.extra["curves"] = [{"arm": c.arm, "seed": c.seed, "steps": c.steps, "acc": c.acc, "wall_s": c.wall}
                                for c in curves]
-    results.extra["total_s"] = time.perf_counter() - t_start
+    results.extra.update(total_s=time.perf_counter() - t_start, rollout_engine=engines.describe())
     results.extra["matched_budget"] = {"budget_groups": matched, "probe_median_ratio": ratio,
                                        "probes": [p.as_dict() for p in probes]}
     results.extra["traces"] = "traces/<arm>-seed<seed>.csv.gz: per trajectory v_gen, v_train, step, timestamps"

@@ -7,6 +7,12 @@ worker's ``reload_weights`` (via ``LLM.collective_rpc``), which takes checkpoint
 ``state_dict()`` is passed as is. On CPU, run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so tensors are
 handed over without serialization; set ``VLLM_CPU_KVCACHE_SPACE`` (GiB) before the engine starts.
 
+Threads: vLLM's CPU attention sizes its scheduler metadata by the calling thread's OpenMP thread count and checks
+it against torch's intra-op count in the kernel; in a thread that has not run a parallel torch op yet (the
+orchestrator's rollout thread) the two differ when the process set ``torch.set_num_threads`` (OpenMP's default is
+one thread per core), and the check aborts the process. vLLM replaces ``torch.set_num_threads`` with a no-op once
+it has started, so every call here first aligns the calling thread through the original, ``torch._C``'s.
+
 vllm is imported lazily, when an engine is built: nothing else in the project needs it.
 """
 
@@ -60,7 +66,13 @@ class VLLMRolloutEngine:
     def version(self) -> int:
         return self._version
 
+    @staticmethod
+    def _align_threads() -> None:
+        """This thread's OpenMP thread count := torch's intra-op count (see the module docstring)."""
+        torch._C.set_num_threads(torch.get_num_threads())
+
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        self._align_threads()
         t0 = time.perf_counter()
         weights = [(k, v.detach().to("cpu").contiguous()) for k, v in state_dict.items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
@@ -74,6 +86,7 @@ class VLLMRolloutEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        self._align_threads()
         t0 = time.perf_counter()
         version = self._version
         prompts, params, owners = [], [], []
