@@ -45,10 +45,9 @@ TABLE = "quality"
 ARMS = ("colocated", "train_batch", "knittrans_same_budget", "knittrans_matched")
 
 
-@trial(TABLE)
 @dataclass(frozen=True)
-class QualityRun(Trial):
-    """One training run of one arm from one seed's warm start."""
+class ArmRun(Trial):
+    """What every quality run logs first (text and multimodal tables): one arm's run from one seed's warm start."""
 
     arm: str
     budget_groups: int
@@ -60,6 +59,13 @@ class QualityRun(Trial):
     """Mean held-out greedy accuracy over the run's evaluation points, step 0 included, in [0, 1]."""
     final_acc: float
     init_acc: float
+
+
+@trial(TABLE)
+@dataclass(frozen=True)
+class QualityRun(ArmRun):
+    """One training run of one arm from one seed's warm start."""
+
     mean_reward: float
     staleness_mean: float
     staleness_p99: float
@@ -89,19 +95,9 @@ class ThroughputProbe(Trial):
 
 @trial("quality-multimodal")
 @dataclass(frozen=True)
-class MMQualityRun(Trial):
+class MMQualityRun(ArmRun):
     """One GRPO run of one arm on the tiny VLM (counting task) from one seed's warm start."""
 
-    arm: str
-    budget_groups: int
-    """In-flight budget in groups (0 for colocated)."""
-    order: int
-    """Position of the run in its seed's pass (the order rotates with the seed)."""
-    steps: int
-    auc: float
-    """Mean held-out greedy accuracy over the run's evaluation points, step 0 included, in [0, 1]."""
-    final_acc: float
-    init_acc: float
     sampled_auc: float
     """Mean held-out sampled reward (one sample per prompt, T = 1) over the evaluation points, in [0, 1]."""
     sampled_final: float
