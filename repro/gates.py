@@ -40,9 +40,9 @@ class GateOutcome:
     skipped: str = ""  # why the table's gate did not run ("" if it ran)
     skipped_claims: tuple[tuple[str, str], ...] = ()  # (claim, why) whose gate does not apply on this hardware
 
-    def failed(self, allow_skip: bool | Sequence[str]) -> bool:
-        """``allow_skip``: True (the whole table may skip) or the names (``table`` or ``table/claim``) that may."""
-        allowed = {self.table} if allow_skip is True else set(allow_skip or ())
+    def failed(self, allow_skip: Sequence[str] = ()) -> bool:
+        """``allow_skip``: the names (``table`` or ``table/claim``) whose gate may skip here."""
+        allowed = set(allow_skip)
         if self.skipped:
             return self.table not in allowed
         if any(self.table not in allowed and f"{self.table}/{c}" not in allowed for c, _ in self.skipped_claims):

@@ -95,6 +95,11 @@ class FetchTiming:
 _INT32_MAX = 2**31 - 1
 
 
+def _fence(epoch: int) -> int | None:
+    """A share's claiming incarnation as the controller takes it: -1 (unfenced) is None."""
+    return None if epoch < 0 else epoch
+
+
 def cu_seqlens_int32(offs: np.ndarray, name: str, loc: ShareLocation) -> np.ndarray:
     """Row offsets as int32 (the varlen kernels' ``cu_seqlens`` dtype); a share past 2^31 - 1 rows raises
     ``ShareTooLargeError`` instead of wrapping to negative offsets (which would silently mix sequences)."""
@@ -238,16 +243,13 @@ class DataPlaneClient:
         if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
             raise SchemaMismatchError(f"seq must be an int >= 0 (the admission order), got {seq!r}")
         t0 = time.perf_counter()
-        loc = self.controller.claim_next(seq, rank, names, timeout) if epoch is None else \
-            self.controller.claim_next(seq, rank, names, timeout, epoch)
+        loc = self.controller.claim_next(seq, rank, names, timeout, epoch)
         return self._deliver(loc, t0, ack)
 
     def ack(self, share: PackedShare) -> None:
         """Acknowledge a share fetched with ``ack=False`` (the rank has stepped on it); fully consumed
         trajectories are then dropped at their units."""
-        acked = self.controller.ack(share.key, share.rank, tuple(share.fields)) if share.epoch < 0 else \
-            self.controller.ack(share.key, share.rank, tuple(share.fields), share.epoch)
-        for unit_id, ts in acked:
+        for unit_id, ts in self.controller.ack(share.key, share.rank, tuple(share.fields), _fence(share.epoch)):
             self.units[unit_id].drop(ts)
 
     def _pack(self, loc: ShareLocation, chunks: Sequence[UnitChunk]) -> PackedShare:
@@ -272,8 +274,7 @@ class DataPlaneClient:
         t3 = time.perf_counter()
         self.last_timing = FetchTiming(t1 - t0, t2 - t1, t3 - t2)
         if ack:
-            for unit_id, ts in self.controller.ack(loc.key, loc.rank, loc.fields,
-                                                   *(() if loc.epoch < 0 else (loc.epoch,))):
+            for unit_id, ts in self.controller.ack(loc.key, loc.rank, loc.fields, _fence(loc.epoch)):
                 self.units[unit_id].drop(ts)
         return share
 

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from array import array
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -106,6 +106,10 @@ class ControllerStats:
     discarded: int = 0  # orphans forgotten by ``discard``
 
 
+_REC_INT_COLUMNS = ("traj", "group", "batch", "tokens", "v_gen", "v_train")  # a released record's int columns,
+# in HandoffRecord's field order
+
+
 @dataclass(frozen=True)
 class HandoffRecord:
     """One trajectory's versions and times through the handoff (seconds since the controller started).
@@ -158,9 +162,9 @@ class Controller:
         # leaves ``_mbs``; what stays is their ids as ranges, the released keys (one per step), and -- when
         # ``keep_records`` -- one columnar record row per trajectory that carried metadata.
         self._released_ids = IdRanges()
-        self._released_keys: dict[MiniBatchKey, int] = {}  # key -> seq
+        self._released_keys: set[MiniBatchKey] = set()
         self._consumed_after_loss: set[int] = set()  # released while missing: a late re-put is not needed
-        self._rec_i = {k: array("q") for k in ("traj", "group", "batch", "tokens", "v_gen", "v_train")}
+        self._rec_i = {k: array("q") for k in _REC_INT_COLUMNS}
         self._rec_f = {k: array("d") for k in ("t_complete", "t_admit")}
         self._closed = False
         self._cv = threading.Condition()
@@ -389,8 +393,7 @@ class Controller:
                                             or self._ended(seq)), timeout=timeout)
             if len(self._log) > seq:
                 key = self._log[seq]
-                if key in self._released_keys:
-                    raise AlreadyConsumedError(f"mini-batch #{seq} ({key}) was released: every rank consumed it")
+                self._raise_released(key, f"#{seq} ")
                 return self._mbs[key].admitted
             if self._failure is not None:
                 raise self._failure
@@ -529,22 +532,21 @@ class Controller:
                 self._consumed_after_loss.add(t)
             if ts.meta is not None and self.config.keep_records:
                 m = ts.meta
-                for k, v in (("traj", t), ("group", m.group_id), ("batch", m.batch_id), ("tokens", m.num_tokens),
-                             ("v_gen", m.v_gen), ("v_train", adm.seq)):
+                for k, v in zip(_REC_INT_COLUMNS, (t, m.group_id, m.batch_id, m.num_tokens, m.v_gen, adm.seq)):
                     self._rec_i[k].append(v)
                 self._rec_f["t_complete"].append(ts.t_complete)
                 self._rec_f["t_admit"].append(st.t_admit)
         self._released_ids.update(adm.traj_ids)
         self._forget_locked(adm.traj_ids)
         del self._mbs[adm.key]
-        self._released_keys[adm.key] = adm.seq
+        self._released_keys.add(adm.key)
 
     def _forget_locked(self, traj_ids: Sequence[int]) -> None:
         """Hook: these trajectories were released and compacted (a subclass drops its own per-trajectory state)."""
 
-    def _raise_released(self, key: MiniBatchKey) -> None:
+    def _raise_released(self, key: MiniBatchKey, seq: str = "") -> None:
         if key in self._released_keys:
-            raise AlreadyConsumedError(f"mini-batch {key} was released: every rank consumed it (exactly-once "
+            raise AlreadyConsumedError(f"mini-batch {seq}{key} was released: every rank consumed it (exactly-once "
                                        f"delivery)")
 
     # -- faults and recovery (docs/reliability.md) -----------------------------------------------------------
@@ -741,7 +743,7 @@ class Controller:
         """Every admitted trajectory that carried metadata, with ``v_gen``, ``v_train`` and its times, by id."""
         with self._cv:
             i, f = self._rec_i, self._rec_f
-            out = [HandoffRecord(*(int(i[k][n]) for k in ("traj", "group", "batch", "tokens", "v_gen", "v_train")),
+            out = [HandoffRecord(*(int(i[k][n]) for k in _REC_INT_COLUMNS),
                                  f["t_complete"][n], f["t_admit"][n], True) for n in range(len(i["traj"]))]
             for t, st in self._trajs.items():
                 if st.meta is None or st.admitted_in is None:

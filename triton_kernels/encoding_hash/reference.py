@@ -140,6 +140,7 @@ def check_segments(buf: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tens
     return flat, off
 
 
+@functools.cache
 def cpu_has_int8_dot() -> bool:
     """Whether this CPU has an int8 dot-product instruction (AVX512-VNNI, AVX-VNNI or AMX), which
     ``torch._int_mm`` uses; without one torch's int8 GEMM is a slow scalar loop (measured on an AVX2-only EPYC:
@@ -152,7 +153,6 @@ def cpu_has_int8_dot() -> bool:
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags))
 
 
-_INT8_DOT = cpu_has_int8_dot()
 F32_EXACT_WIDTH = 1024  # 1024 * 128 * 128 = 2^24: every fp32 partial sum of a chunk this wide is an exact integer
 
 
@@ -171,7 +171,7 @@ def _block_sums(rows: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     cuBLASLt on GPU), else the exact chunked float32 GEMM (``block_sums_f32``)."""
     if rows.shape[0] == 0:
         return torch.zeros(0, LANES, dtype=torch.int32, device=rows.device)
-    fast_int8 = _INT8_DOT if rows.device.type == "cpu" else rows.shape[0] > 16
+    fast_int8 = cpu_has_int8_dot() if rows.device.type == "cpu" else rows.shape[0] > 16
     if fast_int8 and hasattr(torch, "_int_mm"):
         try:
             return torch._int_mm(rows, k)
