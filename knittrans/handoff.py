@@ -116,6 +116,10 @@ class HandoffConfig:
     """A consumer waiting this long for its next mini-batch raises ``TimeoutError`` (None: until closed/sealed)."""
     balance_slack: float = 0.05
     """Share assignment: locality yields once a rank exceeds ``(1 + slack)`` x its ideal tokens."""
+    read_timeout_s: float | None = 300.0
+    """Deadline of a rank's reads of one share from its storage units, on both transports: a unit hung in ``get``
+    raises ``ReadTimeoutError`` (the claim is undone, a retry gets the share) instead of blocking the trainer.
+    None: no deadline (in process, reads then run on the rank's own thread)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "transport", Transport(self.transport))
@@ -127,6 +131,10 @@ class HandoffConfig:
             raise ValueError("HandoffConfig.rank_nodes must list at least one trainer rank")
         if self.prefetch_depth < 1:
             raise ValueError(f"HandoffConfig.prefetch_depth must be >= 1, got {self.prefetch_depth}")
+        t = self.read_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or t == float("inf")):
+            raise ValueError(f"HandoffConfig.read_timeout_s must be a finite number of seconds > 0, or None (no "
+                             f"deadline), got {t!r}")
 
     @classmethod
     def grpo(cls, prompts_per_batch: int, group_size: int, num_minibatches: int, max_response_len: int,
@@ -161,7 +169,8 @@ class Rollout:
 
 def _build_plane(cfg: HandoffConfig, policy: AdmissionPolicy) -> DataPlane:
     units, ranks, schema = dict(cfg.units), tuple(cfg.rank_nodes), cfg.resolved_schema
-    common = dict(balance_slack=cfg.balance_slack, prepare=cfg.prepare, policy=policy)
+    common = dict(balance_slack=cfg.balance_slack, prepare=cfg.prepare, policy=policy,
+                  read_timeout_s=cfg.read_timeout_s)
     if cfg.transport is Transport.INPROCESS:
         if cfg.multimodal:
             from knittrans.mmdedup.plane import build_mm_inprocess

@@ -369,11 +369,13 @@ class RayDataPlane:
 def build_ray(schema: TrajectorySchema, unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...],
               balance_slack: float = 0.05, equal_counts: bool = True,
               prepare: PrepareConfig | None = None, checksums: bool = False,
-              faults: "FaultPlan | None" = None, policy: "AdmissionPolicy | None" = None) -> RayDataPlane:
+              faults: "FaultPlan | None" = None, policy: "AdmissionPolicy | None" = None,
+              read_timeout_s: float | None = 300.0) -> RayDataPlane:
     """Start one ``StorageUnitActor`` per unit (pinned to its node when the node is a Ray node id) and one
     ``ControllerActor``. Ray must already be initialized. ``checksums``: every put carries a CRC-32 per field,
     verified by the unit and by the fetching rank; ``faults``: a ``knittrans.dataplane.faults.FaultPlan``;
-    ``policy``: an admission policy the controller actor runs (``knittrans.handoff``)."""
+    ``policy``: an admission policy the controller actor runs (``knittrans.handoff``); ``read_timeout_s``:
+    ``RayDataPlane.read_timeout_s``."""
     if not ray.is_initialized():
         raise RuntimeError("build_ray: call ray.init(...) first (see the module docstring for clusters)")
     cfg = ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts)
@@ -383,6 +385,6 @@ def build_ray(schema: TrajectorySchema, unit_nodes: Mapping[str, str], rank_node
         opts = {"scheduling_strategy": strategy} if strategy is not None else {}
         units[u] = StorageUnitActor.options(**opts).remote(u, node, schema, faults.for_unit(u) if faults else ())
     ctrl = ControllerActor.remote(schema, dict(unit_nodes), cfg, units, Controller, policy)
-    dp = RayDataPlane(schema, ctrl, units, prepare or PrepareConfig(), checksums)
+    dp = RayDataPlane(schema, ctrl, units, prepare or PrepareConfig(), checksums, read_timeout_s)
     ray.get([ctrl.stats.remote(), *(a.stats.remote() for a in units.values())])  # wait until all are up
     return dp

@@ -15,11 +15,13 @@ from knittrans.mmdedup.gather import (BatchTokens, ImageSet, ImageTokenMismatchE
                                       check_placeholders, collate, encode_distinct, grpo_loss, mrope_positions,
                                       policy_logits)
 from knittrans.mmdedup.keys import EncodingInputError, EncodingKey, HashFn, content_keys, encoding_hash_fn
-from knittrans.mmdedup.store import EncodingRef, EncodingStore, EncodingStoreError, StoreStats
+from knittrans.mmdedup.store import (EncodingConflictError, EncodingRef, EncodingStore, EncodingStoreError,
+                                     StoreStats)
 
 __all__ = [
-    "BatchTokens", "DistinctFetch", "EncodingInputError", "EncodingKey", "EncodingPlane", "EncodingRef",
-    "EncodingStore", "EncodingStoreError", "HashFn", "ImageOccurrence", "ImageSet", "ImageTokenMismatchError",
+    "BatchTokens", "DistinctFetch", "EncodingConflictError", "EncodingInputError", "EncodingKey", "EncodingPlane",
+    "EncodingRef", "EncodingStore", "EncodingStoreError", "HashFn", "ImageOccurrence", "ImageSet",
+    "ImageTokenMismatchError",
     "MMBatch", "StoreStats", "TrainSample", "check_placeholders", "collate", "content_keys", "encode_distinct",
     "encoding_hash_fn", "grpo_loss", "mrope_positions", "policy_logits",
 ]

@@ -37,7 +37,7 @@ import torch
 
 from knittrans.mmdedup.gather import ImageSet
 from knittrans.mmdedup.keys import EncodingInputError, HashFn, check_finite_pixels, check_grid, encoding_hash_fn
-from knittrans.mmdedup.store import EncodingRef, EncodingStore, EncodingStoreError, StoreStats
+from knittrans.mmdedup.store import EncodingConflictError, EncodingRef, EncodingStore, EncodingStoreError, StoreStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +76,9 @@ class EncodingPlane:
 
     def register(self, unit_id: str, traj_id: int, encodings: Sequence[torch.Tensor],
                  grids: Sequence[tuple[int, int, int]]) -> tuple[ImageOccurrence, ...]:
-        """Store trajectory ``traj_id``'s image encodings (placeholder order) in ``unit_id``'s store."""
+        """Store trajectory ``traj_id``'s image encodings (placeholder order) in ``unit_id``'s store. Idempotent: a
+        second register with identical content (unit, grids, encoding bytes, order) returns the same occurrences
+        and takes no second reference; a conflicting one raises ``EncodingConflictError``."""
         if unit_id not in self.stores:
             raise EncodingStoreError(f"unknown unit {unit_id!r} (units: {sorted(self.stores)})")
         if len(encodings) != len(grids):
@@ -87,15 +89,21 @@ class EncodingPlane:
                                          f"got {type(e).__name__}")
             check_grid(f"trajectory {traj_id} image {i}", g, e.shape[0])
             check_finite_pixels(f"trajectory {traj_id} image {i}", e)
+        grids = [tuple(int(x) for x in g) for g in grids]
         with self._lock:
-            if traj_id in self._occ:
-                raise EncodingStoreError(f"trajectory {traj_id} already has images registered")
-        refs = self.stores[unit_id].register(traj_id, encodings)
-        occ = tuple(ImageOccurrence(unit_id, r, tuple(int(x) for x in g)) for r, g in zip(refs, grids))
+            if traj_id in self._occ:  # a second register: a no-op if identical (a retry), else refused by name
+                held = self._occ[traj_id]
+                if self._unit_of[traj_id] != unit_id or [o.grid_thw for o in held] != grids:
+                    raise EncodingConflictError(
+                        f"trajectory {traj_id} already has images registered on unit {self._unit_of[traj_id]!r} "
+                        f"with grids {[o.grid_thw for o in held]}; a second register on {unit_id!r} with grids "
+                        f"{grids} conflicts (an identical retry is a no-op)")
+        refs = self.stores[unit_id].register(traj_id, encodings)  # identical: the same refs; else a conflict
+        occ = tuple(ImageOccurrence(unit_id, r, g) for r, g in zip(refs, grids))
         with self._lock:
-            self._occ[traj_id] = occ
-            self._unit_of[traj_id] = unit_id
-        return occ
+            self._occ.setdefault(traj_id, occ)
+            self._unit_of.setdefault(traj_id, unit_id)
+            return self._occ[traj_id]
 
     def occurrences(self, traj_id: int) -> tuple[ImageOccurrence, ...]:
         with self._lock:

@@ -375,10 +375,11 @@ class MMInProcessDataPlane(InProcessDataPlane):
 def build_mm_inprocess(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], schema: TrajectorySchema = MM_SCHEMA,
                        hash_fn: HashFn = encoding_hash_fn, balance_slack: float = 0.05, equal_counts: bool = True,
                        prepare: PrepareConfig | None = None,
-                       policy: "AdmissionPolicy | None" = None, dedup: bool = True) -> MMInProcessDataPlane:
+                       policy: "AdmissionPolicy | None" = None, dedup: bool = True,
+                       read_timeout_s: float | None = 300.0) -> MMInProcessDataPlane:
     """``build_inprocess`` with ``MMStorageUnit``s and the group-keeping ``MMController`` (admitting through
     ``policy`` when given, as ``knittrans.handoff`` does). ``dedup`` False: units store and move every image
-    occurrence (the plain twin)."""
+    occurrence (the plain twin). ``read_timeout_s``: ``InProcessDataPlane.read_timeout_s``."""
     ctrl = MMController(schema, unit_nodes, ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts), policy)
     units = {u: MMStorageUnit(u, n, schema, hash_fn, dedup) for u, n in unit_nodes.items()}
-    return MMInProcessDataPlane(schema, ctrl, units, prepare or PrepareConfig())
+    return MMInProcessDataPlane(schema, ctrl, units, prepare or PrepareConfig(), read_timeout_s=read_timeout_s)

@@ -61,9 +61,10 @@ class MMRayDataPlane(RayDataPlane):
 def build_mm_ray(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], schema: TrajectorySchema = MM_SCHEMA,
                  hash_fn: HashFn = encoding_hash_fn, balance_slack: float = 0.05, equal_counts: bool = True,
                  prepare: PrepareConfig | None = None, policy=None,  # noqa: ANN001 - an AdmissionPolicy
-                 dedup: bool = True) -> MMRayDataPlane:
+                 dedup: bool = True, read_timeout_s: float | None = 300.0) -> MMRayDataPlane:
     """``build_ray`` with ``MMStorageUnitActor``s and the ``MMController``. Ray must already be initialized.
-    ``dedup`` False: units store and move every image occurrence (the plain twin)."""
+    ``dedup`` False: units store and move every image occurrence (the plain twin). ``read_timeout_s``:
+    ``RayDataPlane.read_timeout_s``."""
     if not ray.is_initialized():
         raise RuntimeError("build_mm_ray: call ray.init(...) first")
     cfg = ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts)
@@ -73,6 +74,6 @@ def build_mm_ray(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], sch
         opts = {"scheduling_strategy": strategy} if strategy is not None else {}
         units[u] = MMStorageUnitActor.options(**opts).remote(u, node, schema, hash_fn, dedup)
     ctrl = ControllerActor.remote(schema, dict(unit_nodes), cfg, units, MMController, policy)
-    dp = MMRayDataPlane(schema, ctrl, units, prepare or PrepareConfig())
+    dp = MMRayDataPlane(schema, ctrl, units, prepare or PrepareConfig(), read_timeout_s=read_timeout_s)
     ray.get([ctrl.stats.remote(), *(a.stats.remote() for a in units.values())])  # wait until all are up
     return dp

@@ -43,6 +43,11 @@ class EncodingStoreError(ValueError):
     no state was changed."""
 
 
+class EncodingConflictError(EncodingStoreError):
+    """A second register of a trajectory with different content (other images, bytes, order or grids) than its
+    first: refused by name. An identical second register (a retried call) is a no-op instead."""
+
+
 @dataclass(frozen=True, slots=True)
 class EncodingRef:
     """A handle to one stored encoding: its slot (never reused), key and size in bytes."""
@@ -99,18 +104,37 @@ class EncodingStore:
     # -- trajectory-level API -------------------------------------------------------------------------------
 
     def register(self, traj_id: int, encodings: Sequence[torch.Tensor]) -> tuple[EncodingRef, ...]:
-        """Store the encodings trajectory ``traj_id`` shows (in placeholder order), one reference each."""
+        """Store the encodings trajectory ``traj_id`` shows (in placeholder order), one reference each.
+
+        Idempotent: registering an already registered trajectory with the same encodings (same count, order,
+        dtypes, shapes and bytes) is a no-op returning the same references (a retried call whose reply was lost
+        takes no second reference); different content raises ``EncodingConflictError``, and a trajectory already
+        consumed cannot be registered again."""
         with self._lock:
-            if traj_id in self._traj or traj_id in self._consumed:
-                raise EncodingStoreError(f"trajectory {traj_id} is already registered"
-                                         + (" (and consumed)" if traj_id in self._consumed else ""))
+            if traj_id in self._consumed:
+                raise EncodingStoreError(f"trajectory {traj_id} is already registered (and consumed)")
+            if traj_id in self._traj:
+                return self._same_or_conflict_locked(traj_id, encodings)
         refs = tuple(self.put(encodings))
         with self._lock:
             if traj_id in self._traj:  # a concurrent register of the same id won the race: undo ours
                 self._release_locked(refs)
-                raise EncodingStoreError(f"trajectory {traj_id} is already registered")
+                return self._same_or_conflict_locked(traj_id, encodings)
             self._traj[traj_id] = refs
         return refs
+
+    def _same_or_conflict_locked(self, traj_id: int, encodings: Sequence[torch.Tensor]) -> tuple[EncodingRef, ...]:
+        """The references of registered ``traj_id`` if ``encodings`` is exactly what it holds, else raise."""
+        held = self._traj[traj_id]
+        if len(held) != len(encodings):
+            raise EncodingConflictError(f"trajectory {traj_id} is already registered with {len(held)} encodings; a "
+                                        f"second register carries {len(encodings)} (an identical retry is a no-op)")
+        for i, (r, t) in enumerate(zip(held, encodings)):
+            if not isinstance(t, torch.Tensor) or not same_bytes(self._slots[r.slot].tensor, t.detach().contiguous()):
+                raise EncodingConflictError(f"trajectory {traj_id} is already registered: encoding {i} of the second "
+                                            f"register differs from the stored one (dtype, shape or bytes; an "
+                                            f"identical retry is a no-op)")
+        return held
 
     def refs_of(self, traj_id: int) -> tuple[EncodingRef, ...]:
         """The references trajectory ``traj_id`` holds (in placeholder order)."""
