@@ -29,6 +29,7 @@ is never handed out partially. A re-put (to any live unit) restores it. ``unclai
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 import time
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 from knittrans.dataplane.assign import ShareItem, assign_shares
 from knittrans.dataplane.idset import IdRanges
+from knittrans.dataplane.recovery import CompleteEvent, ControllerJournal, JournalState, Released, rebuild
 from knittrans.dataplane.types import (AdmissionStateError, AdmittedMiniBatch, AlreadyConsumedError,
                                        DataLostError, DataPlaneClosedError, DuplicatePutError, EndOfStream, FencedError,
                                        FieldNotProducedError, MiniBatchKey, PutRecord, ShareLocation,
@@ -86,6 +88,7 @@ class _MiniBatchState:
     acked: set[tuple[int, str]] = field(default_factory=set)
     released: bool = False
     t_admit: float = 0.0  # seconds since the controller started
+    restored: bool = False  # rebuilt after a controller restart: its claims were not journaled (see ``ack``)
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,8 @@ class ControllerStats:
     held_minibatches: int = 0  # admitted, not yet released
     released_id_ranges: int = 0  # released ids are kept as ranges (one per run of consecutive ids)
     discarded: int = 0  # orphans forgotten by ``discard``
+    restarts: int = 0  # times this controller was rebuilt from its journal and the units (``restore``)
+    held_groups: int = 0  # announced groups whose batch still has unreleased trajectories
 
 
 _REC_INT_COLUMNS = ("traj", "group", "batch", "tokens", "v_gen", "v_train")  # a released record's int columns,
@@ -132,13 +137,26 @@ class HandoffRecord:
 
 
 class Controller:
-    """Metadata of one data plane. ``unit_nodes`` maps each storage unit id to its node."""
+    """Metadata of one data plane. ``unit_nodes`` maps each storage unit id to its node. ``journal``: where the
+    controller writes what only it knows, before it answers, so that a restarted controller can be rebuilt from
+    the journal and the units (``restore``, ``knittrans.dataplane.recovery``); None: not recoverable."""
 
     def __init__(self, schema: TrajectorySchema, unit_nodes: Mapping[str, str], config: ControllerConfig,
-                 policy: "AdmissionPolicy | None" = None) -> None:
+                 policy: "AdmissionPolicy | None" = None, journal: ControllerJournal | None = None) -> None:
         if not unit_nodes:
             raise ValueError("Controller needs at least one storage unit")
         self.policy = policy
+        self.schema = schema
+        self.unit_nodes = dict(unit_nodes)
+        self.config = config
+        self._journal = journal
+        # A restart rebuilds the policy by replaying its inputs into a fresh copy of it (taken before any input).
+        self._pristine = copy.deepcopy(policy) if journal is not None and policy is not None else None
+        self._cv = threading.Condition()
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        """Every piece of volatile state, empty (what a controller process starts with)."""
         self._groups: dict[int, tuple[int, int]] = {}  # announced group -> (batch, declared size)
         self._arrived: dict[int, int] = {}  # group -> completed trajectories
         self._planned = 0  # mini-batches announced (M per batch)
@@ -146,9 +164,6 @@ class Controller:
         self._sealed = False
         self._failure: BaseException | None = None  # an admission failure: every waiter re-raises it
         self._t0 = time.perf_counter()
-        self.schema = schema
-        self.unit_nodes = dict(unit_nodes)
-        self.config = config
         self._trajs: dict[int, _TrajState] = {}
         self._mbs: dict[MiniBatchKey, _MiniBatchState] = {}
         self._log: list[MiniBatchKey] = []
@@ -167,7 +182,14 @@ class Controller:
         self._rec_i = {k: array("q") for k in _REC_INT_COLUMNS}
         self._rec_f = {k: array("d") for k in ("t_complete", "t_admit")}
         self._closed = False
-        self._cv = threading.Condition()
+        # Per announced batch (with a policy), until all its trajectories are released: its plan, size and how many
+        # are released; then the batch's groups leave ``_groups``/``_arrived`` and its policy inputs the journal.
+        self._plans: dict[int, BatchPlan] = {}
+        self._batch_size: dict[int, int] = {}
+        self._released_in_batch: dict[int, int] = {}
+        self._restarts = 0
+        self._skip_base = 0  # mini-batches skipped in batches a replay no longer sees (``_planned_now``)
+        self._skip_journaled = 0
 
     @property
     def num_ranks(self) -> int:
@@ -231,6 +253,10 @@ class Controller:
             for r in completing:
                 self._complete_locked(r)
             if completing:
+                if self._journal is not None:  # before the decisions they trigger (a replay asks at this point)
+                    self._journal.complete(CompleteEvent(tuple(r.meta for r in completing),
+                                                         self._trajs[completing[0].traj_id].t_complete),
+                                           self._completed)
                 self._admit_ready_locked()
             if records:
                 self._cv.notify_all()  # a re-put may complete a share that claim_next waits for
@@ -262,18 +288,30 @@ class Controller:
         with self._cv:
             if self.policy is None:
                 raise AdmissionStateError("add_batch needs a controller built with an admission policy")
+            if self._plans.get(getattr(plan, "batch_id", None)) == plan:
+                return  # a retried announcement (its reply was lost, e.g. across a controller restart): a no-op
             if self._closed or self._sealed:
                 raise DataPlaneClosedError("the handoff is closed or sealed: no more batches")
             self.policy.add_batch(plan)  # validates the plan (AdmissionError) before anything changes
-            for g in plan.groups:
-                self._groups[g.group_id] = (plan.batch_id, g.size)
+            self._note_batch_locked(plan)
             self._planned += self.policy.constraints.num_minibatches
+            if self._journal is not None:
+                self._journal.batch(plan, self._planned)
             self._admit_ready_locked()
+
+    def _note_batch_locked(self, plan: BatchPlan) -> None:
+        """Record an announced batch's groups (lock held; also the replay of a restart)."""
+        for g in plan.groups:
+            self._groups[g.group_id] = (plan.batch_id, g.size)
+        self._plans[plan.batch_id] = plan
+        self._batch_size[plan.batch_id] = sum(g.size for g in plan.groups)
 
     def seal(self) -> None:
         """No batch will be announced after this one: waits beyond the last mini-batch end (``EndOfStream``)."""
         with self._cv:
             self._sealed = True
+            if self._journal is not None:
+                self._journal.seal()
             self._cv.notify_all()
 
     def _check_completions(self, records: Sequence[PutRecord]) -> list[PutRecord]:
@@ -327,6 +365,10 @@ class Controller:
             while mbs := self.policy.on_trainer_ready(time.perf_counter() - self._t0):
                 for mb in mbs:
                     self._admit_locked(mb)
+            skipped = self._skip_base + getattr(self.policy.stats, "skipped_minibatches", 0)
+            if self._journal is not None and skipped != self._skip_journaled:
+                self._journal.count("skipped", skipped)
+                self._skip_journaled = skipped
         except Exception as e:  # noqa: BLE001 - stored for every waiter, then re-raised to this caller
             self._failure = e
             self._cv.notify_all()
@@ -340,6 +382,9 @@ class Controller:
             if self.policy is not None:
                 raise AdmissionStateError("this controller admits through its own policy; admit() is for a "
                                           "controller without one")
+            st = self._mbs.get(MiniBatchKey(mb.batch_id, mb.index)) if isinstance(mb, MiniBatch) else None
+            if st is not None and st.admitted.traj_ids == tuple(mb.traj_ids):
+                return st.admitted  # a retried admission (its reply was lost): the same decision, not a second one
             return self._admit_locked(mb)
 
     def _admit_locked(self, mb: MiniBatch) -> AdmittedMiniBatch:
@@ -375,6 +420,8 @@ class Controller:
             self._trajs[t].admitted_in = key
         self._mbs[key] = _MiniBatchState(adm, t_admit=time.perf_counter() - self._t0)
         self._log.append(key)
+        if self._journal is not None:  # the shares are decided once: a restart restores them, never re-assigns
+            self._journal.admit(adm, self._mbs[key].t_admit)
         self._cv.notify_all()
         return adm
 
@@ -412,7 +459,7 @@ class Controller:
         """Mini-batches the announced batches will have: M each, less what a policy skipped when it ended a used-up
         batch short (the greedy baseline; ``AdmissionStats.skipped_minibatches``)."""
         assert self.policy is not None
-        return self._planned - getattr(self.policy.stats, "skipped_minibatches", 0)
+        return self._planned - self._skip_base - getattr(self.policy.stats, "skipped_minibatches", 0)
 
     def admitted(self, key: MiniBatchKey) -> AdmittedMiniBatch:
         with self._cv:
@@ -496,9 +543,11 @@ class Controller:
                     return ()  # a repeated ack of a released (compacted) mini-batch: nothing more to do
                 raise UnknownMiniBatchError(f"ack for mini-batch {key}, which was never admitted")
             missing = [n for n in fields if (rank, n) not in st.claimed]
-            if missing:
+            if missing and not st.restored:  # restored: claims before the restart were not journaled
                 raise AdmissionStateError(f"ack of {missing} for {key} rank {rank} without a claim")
             st.acked.update((rank, n) for n in fields)
+            if self._journal is not None:  # before the answer: the rank will not ack again
+                self._journal.ack(key, rank, tuple(fields))
             if st.released:
                 return ()
             if self._missing:
@@ -520,26 +569,45 @@ class Controller:
                 u = self._trajs[t].unit_id
                 if u is not None:  # None: consumed after its unit was lost; nothing left to drop
                     by_unit.setdefault(u, []).append(t)
-            self._compact_locked(st)
+            released = self._compact_locked(st)
+            if self._journal is not None:
+                self._journal.ack(key, rank, (), released)
             return tuple((u, tuple(ts)) for u, ts in sorted(by_unit.items()))
 
-    def _compact_locked(self, st: _MiniBatchState) -> None:
-        """Forget a released mini-batch's per-trajectory state (lock held); see ``__init__``."""
+    def _compact_locked(self, st: _MiniBatchState) -> Released:
+        """Forget a released mini-batch's per-trajectory state (lock held; see ``_reset_state``), and the groups of
+        every batch it finishes (all their trajectories released); returns what the journal records of it."""
         adm = st.admitted
+        rows = []
+        touched: set[int] = set()
         for t in adm.traj_ids:
             ts = self._trajs.pop(t)
             if ts.unit_id is None:
                 self._consumed_after_loss.add(t)
             if ts.meta is not None and self.config.keep_records:
                 m = ts.meta
-                for k, v in zip(_REC_INT_COLUMNS, (t, m.group_id, m.batch_id, m.num_tokens, m.v_gen, adm.seq)):
+                row = (t, m.group_id, m.batch_id, m.num_tokens, m.v_gen, adm.seq)
+                for k, v in zip(_REC_INT_COLUMNS, row):
                     self._rec_i[k].append(v)
                 self._rec_f["t_complete"].append(ts.t_complete)
                 self._rec_f["t_admit"].append(st.t_admit)
+                rows.append((*row, ts.t_complete, st.t_admit))
+            if ts.meta is not None:
+                b = ts.meta.batch_id
+                self._released_in_batch[b] = self._released_in_batch.get(b, 0) + 1
+                touched.add(b)
+        done = tuple(sorted(b for b in touched if b in self._plans
+                            and self._released_in_batch[b] >= self._batch_size[b]))
+        for b in done:  # bounded memory: a finished batch's groups are never needed again
+            for g in self._plans.pop(b).groups:
+                self._groups.pop(g.group_id, None)
+                self._arrived.pop(g.group_id, None)
+            del self._batch_size[b], self._released_in_batch[b]
         self._released_ids.update(adm.traj_ids)
         self._forget_locked(adm.traj_ids)
         del self._mbs[adm.key]
         self._released_keys.add(adm.key)
+        return Released(adm.key, adm.traj_ids, tuple(rows), done)
 
     def _forget_locked(self, traj_ids: Sequence[int]) -> None:
         """Hook: these trajectories were released and compacted (a subclass drops its own per-trajectory state)."""
@@ -582,6 +650,8 @@ class Controller:
                 lost.append(t)
             if lost:
                 self._units_lost += 1
+                if self._journal is not None:
+                    self._journal.count("units_lost", self._units_lost)
             self._missing.update(lost)
             self._cv.notify_all()
             return tuple(lost)
@@ -617,6 +687,8 @@ class Controller:
                 self._discarded += 1
                 if st.unit_id is not None:
                     by_unit.setdefault(st.unit_id, []).append(t)
+            if self._journal is not None:
+                self._journal.count("discarded", self._discarded)
             self._cv.notify_all()
             return tuple((u, tuple(ts)) for u, ts in sorted(by_unit.items()))
 
@@ -656,6 +728,8 @@ class Controller:
         with self._cv:
             self._check_rank(rank)
             self._epochs[rank] = self._epochs.get(rank, 0) + 1  # fences off the old incarnation's claims and acks
+            if self._journal is not None:
+                self._journal.epoch(rank, self._epochs[rank])
             resume = len(self._log)
             for seq, key in enumerate(self._log):
                 st = self._mbs.get(key)
@@ -700,6 +774,25 @@ class Controller:
                 raise DataPlaneClosedError(f"controller closed with {self._released} < {count} released")
             return self._released
 
+    # -- restart (knittrans.dataplane.recovery) --------------------------------------------------------------
+
+    def restore(self, state: JournalState, manifests: Mapping[str, Sequence[PutRecord]]
+                ) -> dict[str, list[int]]:
+        """Rebuild this controller after a restart from its journal's ``state`` and the ``manifests`` of the live
+        units (a unit absent is lost: its unreleased trajectories become missing). Everything volatile is
+        discarded first, as in a new process. Returns ``unit -> trajectory ids`` the units must drop (released
+        before the restart, or a second copy). ``RecoveryError`` if the replayed policy disagrees with the
+        journal."""
+        if self._journal is None:
+            raise AdmissionStateError("restore needs a controller built with a journal")
+        with self._cv:
+            self._reset_state()
+            if self._pristine is not None:
+                self.policy = copy.deepcopy(self._pristine)
+            drops = rebuild(self, state, manifests).drops
+            self._cv.notify_all()
+            return drops
+
     # -- lifecycle -------------------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -714,7 +807,8 @@ class Controller:
                                    self._released, len(self._missing), self._units_lost, self._completed,
                                    self._planned, held=len(self._trajs), held_minibatches=len(self._mbs),
                                    released_id_ranges=len(self._released_ids.ranges),
-                                   discarded=self._discarded)
+                                   discarded=self._discarded, restarts=self._restarts,
+                                   held_groups=len(self._groups))
 
     # -- versions and records --------------------------------------------------------------------------------
 

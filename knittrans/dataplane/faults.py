@@ -212,6 +212,10 @@ class FaultyUnit:
     def drop(self, traj_ids: Sequence[int], fields: Sequence[str] | None = None) -> int:
         return 0 if self.lost else self.inner.drop(traj_ids, fields)
 
+    def manifest(self) -> list[PutRecord]:
+        self._check_alive()
+        return self.inner.manifest()
+
     def lose(self) -> int:
         """The unit dies now: everything it held is gone."""
         self.lost = True

@@ -36,6 +36,14 @@ class IdRanges:
     def ranges(self) -> list[tuple[int, int]]:
         return list(zip(self._starts, self._ends))
 
+    @classmethod
+    def of_ranges(cls, ranges: Iterable[tuple[int, int]]) -> "IdRanges":
+        """The set of the half-open ``[lo, hi)`` ranges (as ``ranges`` lists them)."""
+        out = cls()
+        for lo, hi in ranges:
+            out._add(lo, hi)
+        return out
+
     def update(self, ids: Iterable[int]) -> None:
         """Add ``ids`` (consecutive runs are added one range at a time)."""
         xs = sorted(set(ids))

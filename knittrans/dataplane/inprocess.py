@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from knittrans.dataplane.client import DataPlaneClient, PrepareConfig, UnitAPI
 from knittrans.dataplane.controller import Controller, ControllerConfig, ControllerStats
+from knittrans.dataplane.recovery import ControllerJournal
 from knittrans.dataplane.storage import StorageUnit, UnitStats
 from knittrans.dataplane.types import ReadTimeoutError, TrajectorySchema, UnitChunk
 
@@ -106,6 +107,8 @@ class InProcessDataPlane:
     """Deadline of a rank's reads from units (as ``RayDataPlane.read_timeout_s``): a unit hung in ``get`` raises
     ``ReadTimeoutError`` (the claim is undone) instead of blocking ``fetch_next`` and ``Prefetcher.close`` for
     ever. None: reads run on the caller's thread without a deadline."""
+    journal: ControllerJournal | None = None
+    """The controller's journal (``build_inprocess(recoverable=True)``): ``restart_controller`` rebuilds from it."""
 
     def client(self, local_unit: str | None = None) -> DataPlaneClient:
         return DataPlaneClient(self.controller, self.units, self.schema, local_unit, self.prepare,
@@ -124,19 +127,44 @@ class InProcessDataPlane:
     def close(self) -> None:
         self.controller.close()
 
+    def restart_controller(self) -> int:
+        """Simulate a controller crash and restart (what a Ray controller actor goes through, in process): the
+        controller drops all its volatile state and is rebuilt from its journal and the live units' manifests;
+        clients keep their handle and go on. Returns the number of restarts so far."""
+        from knittrans.dataplane.types import UnitLostError
+
+        if self.journal is None:
+            raise RuntimeError("restart_controller needs build_inprocess(..., recoverable=True)")
+        manifests = {}
+        for u, unit in self.units.items():
+            try:
+                manifests[u] = unit.manifest()
+            except UnitLostError:
+                continue  # a lost unit: its unreleased trajectories become missing
+        state = self.journal.attach()
+        assert state is not None
+        for u, ts in self.controller.restore(state, manifests).items():
+            self.units[u].drop(ts)
+        return state.restarts
+
 
 def build_inprocess(schema: TrajectorySchema, unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...],
                     balance_slack: float = 0.05, equal_counts: bool = True,
                     prepare: PrepareConfig | None = None, checksums: bool = False,
                     faults: "FaultPlan | None" = None, policy: "AdmissionPolicy | None" = None,
-                    read_timeout_s: float | None = 300.0) -> InProcessDataPlane:
+                    read_timeout_s: float | None = 300.0, recoverable: bool = False) -> InProcessDataPlane:
     """One unit per ``unit_nodes`` entry (unit id -> node), ``len(rank_nodes)`` trainer ranks. ``faults``
     (``knittrans.dataplane.faults.FaultPlan``) wraps the units it names in a ``FaultyUnit``; None: no wrapper.
-    ``read_timeout_s``: ``InProcessDataPlane.read_timeout_s``."""
-    ctrl = Controller(schema, unit_nodes, ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts), policy)
+    ``read_timeout_s``: ``InProcessDataPlane.read_timeout_s``; ``recoverable``: the controller keeps a journal
+    (``knittrans.dataplane.recovery``) so ``restart_controller`` can rebuild it."""
+    journal = ControllerJournal() if recoverable else None
+    if journal is not None:
+        journal.attach()  # the first controller: nothing to recover
+    ctrl = Controller(schema, unit_nodes, ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts), policy,
+                      journal)
     units = {u: StorageUnit(u, n, schema) for u, n in unit_nodes.items()}
     if faults:
         from knittrans.dataplane.faults import FaultyUnit
 
         units = {u: FaultyUnit(unit, faults.for_unit(u)) if faults.for_unit(u) else unit for u, unit in units.items()}
-    return InProcessDataPlane(schema, ctrl, units, prepare or PrepareConfig(), checksums, read_timeout_s)
+    return InProcessDataPlane(schema, ctrl, units, prepare or PrepareConfig(), checksums, read_timeout_s, journal)

@@ -65,6 +65,10 @@ class UnitHost:
     def stats(self) -> UnitStats:
         return self.unit.stats()
 
+    def manifest(self) -> list[PutRecord]:
+        """What the unit holds (``StorageUnit.manifest``): read by a restarted controller."""
+        return self.unit.manifest()
+
     def lose(self) -> int:
         """Fault injection: the unit dies now (needs a ``FaultPlan`` naming it)."""
         return self.unit.lose()

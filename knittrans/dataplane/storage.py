@@ -86,6 +86,7 @@ class StorageUnit:
         self.node = node
         self.schema = schema
         self._data: dict[int, dict[str, np.ndarray]] = {}
+        self._sums: dict[int, dict[str, int]] = {}  # the producers' checksums of stored fields (for ``manifest``)
         self._lock = threading.Lock()
 
     def put(self, payloads: Sequence[TrajectoryPayload]) -> list[PutRecord]:
@@ -121,6 +122,9 @@ class StorageUnit:
                 self._data.setdefault(p.traj_id, {}).update(stored)
                 tok = arrs.get(self.schema.token_field)
                 sums = p.checksums or {}
+                kept = {n: sums[n] for n in new if sums.get(n) is not None}
+                if kept:
+                    self._sums.setdefault(p.traj_id, {}).update(kept)
                 records.append(PutRecord(
                     traj_id=p.traj_id, unit_id=self.unit_id,
                     fields=tuple(FieldMeta(n, int(a.nbytes), int(a.shape[0]) if a.ndim else 1, sums.get(n))
@@ -167,15 +171,29 @@ class StorageUnit:
                 for name in list(held) if fields is None else fields:
                     arr = held.pop(name, None)
                     freed += 0 if arr is None else int(arr.nbytes)
+                    self._sums.get(t, {}).pop(name, None)
                 if not held:
                     del self._data[t]
+                    self._sums.pop(t, None)
         return freed
+
+    def manifest(self) -> list[PutRecord]:
+        """What this unit holds, as put records (fields with sizes and the producers' checksums, token counts):
+        how a restarted controller learns which trajectories survive where (``knittrans.dataplane.recovery``)."""
+        tok = self.schema.token_field
+        with self._lock:
+            return [PutRecord(traj_id=t, unit_id=self.unit_id,
+                              fields=tuple(FieldMeta(n, int(a.nbytes), int(a.shape[0]) if a.ndim else 1,
+                                                     self._sums.get(t, {}).get(n)) for n, a in held.items()),
+                              num_tokens=int(held[tok].shape[0]) if tok in held else None)
+                    for t, held in self._data.items()]
 
     def clear(self) -> int:
         """Forget everything (the unit was lost); returns the bytes freed."""
         with self._lock:
             freed = sum(int(a.nbytes) for d in self._data.values() for a in d.values())
             self._data.clear()
+            self._sums.clear()
         return freed
 
     def stats(self) -> UnitStats:

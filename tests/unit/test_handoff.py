@@ -120,8 +120,9 @@ def test_rejected_puts_change_nothing_and_name_the_problem():
         h.put([rollout(0, resp=2)])
     with pytest.raises(ValueError, match="built for"):
         Handoff(cfg(), policy=make_policy("knittrans", HandoffConfig.grpo(2, 2, 2, 8).constraints))
+    h.add_batch(plan(0))  # a retried announcement (its reply was lost, e.g. across a controller restart): a no-op
     with pytest.raises(AdmissionError, match="already added"):
-        h.add_batch(plan(0))
+        h.add_batch(BatchPlan(0, plan(0).groups[:2]))  # another plan under the same id
 
 
 def test_concurrent_producers_and_prefetching_ranks_lose_and_duplicate_nothing():
