@@ -8,6 +8,13 @@ and the rank maps them (same node) or pulls them node to node (different node) -
 The controller actor is threaded (``max_concurrency``), so a prefetcher blocked in ``next_admitted`` (a
 condition-variable wait inside the actor) does not stall claims, puts or admissions from other callers.
 
+Controller restarts: the controller actor is created with ``max_restarts`` and writes its journal
+(``knittrans.dataplane.recovery``) to a separate ``JournalActor`` before it answers. When it dies, Ray restarts it
+(the constructor runs again with its original arguments: a fresh admission policy) and it rebuilds itself from the
+journal and the units' manifests; calls that were in flight are retried by Ray (``max_task_retries``) against the
+rebuilt actor, which every controller call tolerates (puts, acks, admissions and batch announcements are
+idempotent; a claim whose reply was lost is claimed again by the same rank). Clients never see the restart.
+
 Multi-node: start Ray on the cluster (``ray start --head`` on one node, ``ray start --address=HEAD:6379`` on the
 others), call ``ray.init(address="auto")`` in the driver, and name units and ranks by Ray node id
 (``ray.nodes()[i]["NodeID"]``): a unit whose node is a live Ray node id is pinned there with
@@ -29,6 +36,7 @@ import ray
 
 from knittrans.dataplane.client import DataPlaneClient, PrepareConfig
 from knittrans.dataplane.controller import Controller, ControllerConfig, ControllerStats, HandoffRecord
+from knittrans.dataplane.recovery import CompleteEvent, ControllerJournal, JournalState, RecoveryError, Released
 from knittrans.dataplane.storage import StorageUnit, UnitStats
 from knittrans.dataplane.types import (AdmittedMiniBatch, ControllerLostError, DataPlaneClosedError, DataPlaneError,
                                        MiniBatchKey, PutRecord, ReadTimeoutError, ShareLocation, TrajectoryPayload,
@@ -80,6 +88,45 @@ class UnitHost:
 # A StorageUnit in its own process (threaded: several ranks read at once).
 StorageUnitActor = ray.remote(num_cpus=0, max_concurrency=8)(UnitHost)
 
+# The controller's journal in its own process: it outlives controller restarts (it is small: what is in flight).
+JournalActor = ray.remote(num_cpus=0, max_concurrency=4)(ControllerJournal)
+
+
+def _journal_call(ref: "ray.ObjectRef") -> None:
+    try:
+        ray.get(ref)
+    except ray.exceptions.RayActorError as e:
+        raise RecoveryError(f"the controller's journal actor died ({type(e).__name__}): the controller can no longer "
+                            f"be recovered after a restart; stop and restart the handoff") from None
+
+
+@dataclass(frozen=True)
+class RayJournal:
+    """The controller's view of a ``JournalActor``: every write waits for the journal's reply (write-ahead)."""
+
+    actor: "ray.actor.ActorHandle"
+
+    def batch(self, plan: BatchPlan, planned: int) -> None:
+        _journal_call(self.actor.batch.remote(plan, planned))
+
+    def complete(self, event: CompleteEvent, completed: int) -> None:
+        _journal_call(self.actor.complete.remote(event, completed))
+
+    def admit(self, adm: AdmittedMiniBatch, t_admit: float) -> None:
+        _journal_call(self.actor.admit.remote(adm, t_admit))
+
+    def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str], released: Released | None = None) -> None:
+        _journal_call(self.actor.ack.remote(key, rank, tuple(fields), released))
+
+    def epoch(self, rank: int, epoch: int) -> None:
+        _journal_call(self.actor.epoch.remote(rank, epoch))
+
+    def seal(self) -> None:
+        _journal_call(self.actor.seal.remote())
+
+    def count(self, name: str, value: int) -> None:
+        _journal_call(self.actor.count.remote(name, value))
+
 
 @ray.remote(num_cpus=0, max_concurrency=64)
 class ControllerActor:
@@ -88,11 +135,28 @@ class ControllerActor:
     def __init__(self, schema: TrajectorySchema, unit_nodes: Mapping[str, str], config: ControllerConfig,
                  unit_actors: Mapping[str, "ray.actor.ActorHandle"],
                  controller_cls: type[Controller] = Controller,  # a subclass: knittrans.mmdedup.plane
-                 policy: "AdmissionPolicy | None" = None) -> None:
-        self.ctrl = controller_cls(schema, unit_nodes, config, policy)
+                 policy: "AdmissionPolicy | None" = None,
+                 journal: "ray.actor.ActorHandle | None" = None) -> None:
+        extra = (RayJournal(journal),) if journal is not None else ()
+        self.ctrl = controller_cls(schema, unit_nodes, config, policy, *extra)
         self.unit_actors = dict(unit_actors)
         self._drops: list[tuple[str, ray.ObjectRef]] = []  # drops sent and not yet confirmed
         self._drops_lock = threading.Lock()
+        if journal is not None:
+            state = ray.get(journal.attach.remote())
+            if state is not None:  # Ray restarted this actor: rebuild from the journal and the units
+                self._restore(state)
+
+    def _restore(self, state: JournalState) -> None:
+        refs = {u: a.manifest.remote() for u, a in self.unit_actors.items()}
+        manifests = {}
+        for u, ref in refs.items():
+            try:
+                manifests[u] = ray.get(ref, timeout=60)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError):
+                continue  # a dead, lost or hung unit: its unreleased trajectories become missing (re-put)
+        for unit_id, ts in self.ctrl.restore(state, manifests).items():  # released before the restart: drop now
+            self._drops.append((unit_id, self.unit_actors[unit_id].drop.remote(tuple(ts))))
 
     def register(self, records: Sequence[PutRecord]) -> tuple[int, ...]:
         return self.ctrl.register(records)
@@ -201,8 +265,9 @@ def _call(ref: "ray.ObjectRef", unit_id: str | None = None, timeout: float | Non
     except ray.exceptions.RayActorError as e:
         if unit_id is not None:
             raise UnitLostError(unit_id, f"its actor died ({type(e).__name__})") from None
-        raise ControllerLostError(f"the data plane's controller actor died ({type(e).__name__}): its metadata is "
-                                  f"lost; stop and restart the handoff (no controller restart yet)") from None
+        raise ControllerLostError(f"the data plane's controller actor died ({type(e).__name__}) and was not "
+                                  f"restarted (built without a journal, or its restarts are used up): stop and "
+                                  f"restart the handoff") from None
 
 
 @dataclass(frozen=True)
@@ -339,6 +404,8 @@ class RayDataPlane:
     read_timeout_s: float | None = 300.0
     """Deadline of a rank's reads from units: a unit hung in ``get`` raises ``ReadTimeoutError`` (the claim is
     undone) instead of blocking ``fetch_next`` and ``Prefetcher.close`` for ever."""
+    journal_actor: "ray.actor.ActorHandle | None" = None
+    """The controller's ``JournalActor`` (None: the controller is not restarted when it dies)."""
 
     def client(self, local_unit: str | None = None) -> DataPlaneClient:
         units = {u: RayUnitProxy(a, u, self.read_timeout_s) for u, a in self.unit_actors.items()}
@@ -368,27 +435,34 @@ class RayDataPlane:
         finally:
             for a in [self.controller_actor, *self.unit_actors.values()]:
                 ray.kill(a)
+            if self.journal_actor is not None:
+                ray.kill(self.journal_actor)
 
 
 def build_ray(schema: TrajectorySchema, unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...],
               balance_slack: float = 0.05, equal_counts: bool = True,
               prepare: PrepareConfig | None = None, checksums: bool = False,
               faults: "FaultPlan | None" = None, policy: "AdmissionPolicy | None" = None,
-              read_timeout_s: float | None = 300.0) -> RayDataPlane:
+              read_timeout_s: float | None = 300.0, controller_restarts: int = 8) -> RayDataPlane:
     """Start one ``StorageUnitActor`` per unit (pinned to its node when the node is a Ray node id) and one
     ``ControllerActor``. Ray must already be initialized. ``checksums``: every put carries a CRC-32 per field,
     verified by the unit and by the fetching rank; ``faults``: a ``knittrans.dataplane.faults.FaultPlan``;
     ``policy``: an admission policy the controller actor runs (``knittrans.handoff``); ``read_timeout_s``:
-    ``RayDataPlane.read_timeout_s``."""
+    ``RayDataPlane.read_timeout_s``; ``controller_restarts``: how often a dead controller actor is restarted and
+    rebuilt from its journal (0: never; it then raises ``ControllerLostError``)."""
     if not ray.is_initialized():
         raise RuntimeError("build_ray: call ray.init(...) first (see the module docstring for clusters)")
+    if isinstance(controller_restarts, bool) or not isinstance(controller_restarts, int) or controller_restarts < 0:
+        raise ValueError(f"build_ray: controller_restarts must be an int >= 0, got {controller_restarts!r}")
     cfg = ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts)
     units = {}
     for u, node in unit_nodes.items():
         strategy = _node_affinity(node)
         opts = {"scheduling_strategy": strategy} if strategy is not None else {}
         units[u] = StorageUnitActor.options(**opts).remote(u, node, schema, faults.for_unit(u) if faults else ())
-    ctrl = ControllerActor.remote(schema, dict(unit_nodes), cfg, units, Controller, policy)
-    dp = RayDataPlane(schema, ctrl, units, prepare or PrepareConfig(), checksums, read_timeout_s)
+    journal = JournalActor.remote() if controller_restarts else None
+    opts = dict(max_restarts=controller_restarts, max_task_retries=-1) if controller_restarts else {}
+    ctrl = ControllerActor.options(**opts).remote(schema, dict(unit_nodes), cfg, units, Controller, policy, journal)
+    dp = RayDataPlane(schema, ctrl, units, prepare or PrepareConfig(), checksums, read_timeout_s, journal)
     ray.get([ctrl.stats.remote(), *(a.stats.remote() for a in units.values())])  # wait until all are up
     return dp

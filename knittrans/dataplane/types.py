@@ -94,8 +94,9 @@ class ReadTimeoutError(DataPlaneError):
 
 
 class ControllerLostError(DataPlaneError):
-    """The controller (on Ray: its actor) died: the metadata of what is stored, admitted and consumed is gone.
-    Not recoverable in place (no controller restart yet, docs/reliability.md); stop and restart the handoff."""
+    """The controller (on Ray: its actor) died and was not restarted: built without a journal
+    (``build_ray(controller_restarts=0)``, the multimodal plane) or its restarts are used up. A controller with a
+    journal is restarted and rebuilt instead (``knittrans.dataplane.recovery``, docs/reliability.md)."""
 
 
 class DataPlaneClosedError(RuntimeError):
