@@ -78,15 +78,17 @@ def chaos_on(transport: str, cfg: ReliabilityConf) -> ChaosResult:
         from knittrans.dataplane import build_inprocess
 
         return run_chaos("inprocess", lambda plan: build_inprocess(TEXT_SCHEMA, UNITS3, ("n0", "n1"), checksums=True,
-                                                                   faults=plan),
-                         lambda dp, u: dp.units[u].restart(), ccfg)
+                                                                   faults=plan, recoverable=True),
+                         lambda dp, u: dp.units[u].restart(), ccfg,
+                         restart_controller=lambda dp: dp.restart_controller())
     import ray
 
     from knittrans.dataplane.ray_transport import build_ray
 
     ray_init()
     return run_chaos("ray", lambda plan: build_ray(TEXT_SCHEMA, UNITS3, ("n0", "n1"), checksums=True, faults=plan),
-                     lambda dp, u: ray.get(dp.unit_actors[u].restart.remote(), timeout=30), ccfg)
+                     lambda dp, u: ray.get(dp.unit_actors[u].restart.remote(), timeout=30), ccfg,
+                     restart_controller=lambda dp: dp.restart_controller(timeout=60))
 
 
 def dataplane_faults_on(transport: str) -> list[FaultOutcome]:
@@ -120,7 +122,8 @@ def chaos_rows(r: ChaosResult, seed: int) -> list[ReliabilityTrial]:
                              sum(r.survived.values()), r.trajectories, r.lost, r.duplicated, r.corrupted,
                              wall_s=r.wall_s, note=f"{r.regenerated} orphans discarded and regenerated; controller "
                                                    f"held at most {r.held_max} trajectories between mini-batches; "
-                                                   f"units empty at the end: {r.final_unit_bytes == 0}")]
+                                                   f"{r.released_minibatches} mini-batches released; units empty "
+                                                   f"at the end: {r.final_unit_bytes == 0}")]
     rows += [ReliabilityTrial(seed, "fault", kind, r.transport, CLASSES[kind], r.injected[kind], r.survived[kind],
                               r.trajectories, note="chaos") for kind in sorted(r.injected)]
     return rows
@@ -191,10 +194,11 @@ def run(cfg: ReliabilityConf) -> dict:
 
 
 def gate_trials() -> list[ReliabilityTrial]:
-    """CI size, in process only (Ray's chaos run is in tests/e2e/test_reliability_ray.py): data-plane scenarios,
-    a 1500-trajectory chaos run, the whole bad-input catalogue and a 20k-trajectory load (a few seconds)."""
+    """CI size, in process only (Ray's chaos run is in tests/e2e/test_reliability_ray.py): the runtime fault
+    scenarios (tiny policy), data-plane scenarios, a 1500-trajectory chaos run (controller restarts included), the
+    whole bad-input catalogue and a 20k-trajectory load (~35 s on 2 shared cores, ~25 s of it the runtime runs)."""
     cfg = ReliabilityConf(logger="none", load_trajectories=20_000, load_minibatch=500, transports=["inprocess"],
-                          runtime_faults=False, chaos_trajectories=1500, chaos_fault_rate=0.3)
+                          runtime_faults=True, chaos_trajectories=1500, chaos_fault_rate=0.3)
     return trials(cfg)
 
 

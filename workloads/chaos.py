@@ -13,7 +13,11 @@ seeded RNG picks which faults fire:
   refused as already consumed; the rank recovers), an ack is repeated, a late retry arrives after release;
 - silent corruption: a message corrupted on put or on fetch (checksums), a producer that edits its buffer after
   put, a consumer that edits its share in place;
-- hangs: a rank asks for a mini-batch before it is admitted (a deadline, never a hang).
+- hangs: a rank asks for a mini-batch before it is admitted (a deadline, never a hang);
+- controller restart (``restart_controller``): the controller dies and is rebuilt from its journal and the units
+  (on Ray: the actor is killed and Ray restarts it), before an admission or between a rank's step and its ack;
+  counted when the rebuilt controller reports the restart, survived when the run still ends exact (every
+  trajectory trained once with its bytes, every mini-batch released, storage freed).
 
 Counted from what fired (errors observed at the client, actions taken), never from the plan. Every wait has a
 timeout. ``python -m repro.reliability`` runs it on both transports; tests run it small.
@@ -32,14 +36,15 @@ KINDS = ("storage_unit_lost", "unit_restarts_empty", "corrupted_put", "corrupted
          "trainer_rank_crash_before_step", "trainer_rank_crash_after_step", "prefetching_rank_crash_default_config",
          "producer_death_mid_group", "lost_put_reply_retry", "lost_register_reply", "lost_fetch_reply",
          "repeated_ack", "late_retry_after_release", "producer_mutates_after_put", "consumer_edits_in_place",
-         "read_before_admission_deadline")
+         "read_before_admission_deadline", "controller_restart")
 CLASSES = {"storage_unit_lost": "lost_data", "unit_restarts_empty": "lost_data",
            "trainer_rank_crash_before_step": "lost_data", "trainer_rank_crash_after_step": "lost_data",
            "prefetching_rank_crash_default_config": "lost_data", "producer_death_mid_group": "lost_data",
            "lost_put_reply_retry": "retries", "lost_register_reply": "retries", "lost_fetch_reply": "retries",
            "repeated_ack": "retries", "late_retry_after_release": "retries", "corrupted_put": "corruption",
            "corrupted_fetch": "corruption", "producer_mutates_after_put": "corruption",
-           "consumer_edits_in_place": "corruption", "read_before_admission_deadline": "hang"}
+           "consumer_edits_in_place": "corruption", "read_before_admission_deadline": "hang",
+           "controller_restart": "lost_data"}
 
 
 @dataclass
@@ -52,6 +57,8 @@ class ChaosConfig:
     seed: int = 0
     timeout_s: float = 30.0
     """Deadline of every wait (a hang fails the run with TimeoutError instead of blocking it)."""
+    max_controller_restarts: int = 4
+    """Most controller restarts per run (on Ray each one starts a new actor process: seconds on a loaded machine)."""
 
 
 @dataclass
@@ -68,6 +75,8 @@ class ChaosResult:
     held_max: int = 0
     """Most trajectories with live controller metadata at a mini-batch boundary (compaction bounds it)."""
     final_unit_bytes: int = -1
+    released_minibatches: int = 0
+    """Mini-batches released at the end (all of them when every rank's ack survived)."""
     wall_s: float = 0.0
 
 
@@ -95,9 +104,11 @@ def chaos_plan(cfg: ChaosConfig, rng: np.random.Generator):  # noqa: ANN201 - a 
     return FaultPlan(tuple(faults))
 
 
-def run_chaos(transport: str, build: Callable, restart_unit: Callable, cfg: ChaosConfig) -> ChaosResult:
+def run_chaos(transport: str, build: Callable, restart_unit: Callable, cfg: ChaosConfig,
+              restart_controller: Callable | None = None) -> ChaosResult:
     """``build(plan)`` makes the data plane (3 units u0..u2 on nodes n0..n2, ``cfg.ranks`` ranks, checksums on);
-    ``restart_unit(dp, unit)`` brings a lost unit back empty."""
+    ``restart_unit(dp, unit)`` brings a lost unit back empty; ``restart_controller(dp)`` crashes the controller
+    and returns once it runs again (None: that fault is not injected)."""
     from knittrans.dataplane import TrajectoryPayload
     from knittrans.dataplane.faults import ProducerBuffer, StepLedger, with_checksums
     from knittrans.dataplane.prefetch import PrefetchConfig, Prefetcher
@@ -119,6 +130,14 @@ def run_chaos(transport: str, build: Callable, restart_unit: Callable, cfg: Chao
 
     def chance() -> bool:
         return bool(rng.random() < cfg.fault_rate)
+
+    def controller_restart() -> None:
+        """The controller dies and comes back; counted only when the rebuilt one reports the restart."""
+        if inj["controller_restart"] >= cfg.max_controller_restarts:
+            return
+        before = dp.controller_stats().restarts
+        restart_controller(dp)
+        inj["controller_restart"] += int(dp.controller_stats().restarts > before)
 
     def payload(t: int, names: tuple[str, ...] | None = None) -> TrajectoryPayload:
         arrs = expected(t)
@@ -193,6 +212,9 @@ def run_chaos(transport: str, build: Callable, restart_unit: Callable, cfg: Chao
             ids, new = ledgers[r].apply(share.key, lambda: verify(share))
             if new:
                 fresh.extend(ids)
+            if restart_controller is not None and "restart" not in fired and chance():
+                fired.add("restart")
+                controller_restart()  # the rank stepped; its ack goes to the rebuilt controller
             if once("trainer_rank_crash_after_step"):
                 ok["trainer_rank_crash_after_step"] += int(client.controller.recover_rank(r) == k)
                 continue
@@ -262,6 +284,8 @@ def run_chaos(transport: str, build: Callable, restart_unit: Callable, cfg: Chao
             if lost_unit_seen and "unit_restarts_empty" not in inj:
                 inj["unit_restarts_empty"] += 1
                 restart_unit(dp, "u2")
+            if restart_controller is not None and chance():  # everything put, nothing admitted yet
+                controller_restart()
             client.admit(MiniBatch(0, k, tuple(ids), (k,), 0))
             inj_register = inj["lost_register_reply"]
             if not crashed_prefetch and k >= 1 and chance():  # a rank crashes holding a default prefetch
@@ -290,6 +314,8 @@ def run_chaos(transport: str, build: Callable, restart_unit: Callable, cfg: Chao
             ok["unit_restarts_empty"] += 1
     finally:
         res.wall_s = time.perf_counter() - t0
+    n_mbs = -(-cfg.trajectories // cfg.minibatch)
+    res.released_minibatches = client.controller.stats().released_minibatches
     counts = Counter(fresh)
     res.trained = len(counts)
     res.lost = len(set(range(cfg.trajectories)) - set(counts))
@@ -302,8 +328,13 @@ def run_chaos(transport: str, build: Callable, restart_unit: Callable, cfg: Chao
         ok["producer_mutates_after_put"] = 0
     else:
         ok["producer_mutates_after_put"] = inj["producer_mutates_after_put"]
+    if "controller_restart" in inj:  # survived iff the whole run ended exact (the zeroing above and below)
+        ok["controller_restart"] = inj["controller_restart"]
     from workloads.reliability_faults import units_empty
 
-    res.final_unit_bytes = 0 if units_empty(dp) else -1
+    res.final_unit_bytes = 0 if units_empty(dp, timeout=0.0 if transport == "inprocess" else 10.0) else -1
+    if res.final_unit_bytes or res.released_minibatches != n_mbs:  # a lost ack or release leaks state: not survived
+        for kind in list(ok):
+            ok[kind] = 0
     dp.close()
     return res

@@ -29,6 +29,11 @@ def count(delivered: list[int], expected: set[int]) -> tuple[int, int]:
     return len(expected - set(c)), sum(v - 1 for v in c.values() if v > 1)
 
 
+RUNTIME_KINDS = ("rollout_worker_dies_mid_group", "straggling_engine_timeout", "trainer_crash_before_update",
+                 "trainer_crash_after_update")
+"""The runtime scenarios' fault kinds, in the order ``runtime_fault_scenarios`` runs them."""
+
+
 def runtime_fault_scenarios(seed: int) -> list[FaultOutcome]:
     """Real runs (tiny policy, CPU) with each runtime fault injected."""
     import torch
@@ -52,6 +57,7 @@ def runtime_fault_scenarios(seed: int) -> list[FaultOutcome]:
         ("trainer_crash_after_update", RuntimeConfig.for_system("train_batch", inflight_groups=8, **small),
          RuntimeFaultPlan(crash_steps=(5,), crash_after_update=True)),
     ]
+    assert tuple(name for name, _, _ in scenarios) == RUNTIME_KINDS
     out = []
     for name, cfg, plan in scenarios:
         # raises RunInvariantError if anything was lost or trained twice

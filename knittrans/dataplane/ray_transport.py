@@ -428,6 +428,21 @@ class RayDataPlane:
         """Block until every unit confirmed the drops of every released mini-batch (see ``ControllerActor``)."""
         return self.controller.wait_drained(timeout)
 
+    def restart_controller(self, timeout: float = 60.0) -> int:
+        """Fault injection: kill the controller actor as a crash would (Ray restarts it; it rebuilds itself from
+        its journal and the units) and wait until the rebuilt one answers; returns the number of restarts so far.
+        ``TimeoutError`` if it is not back within ``timeout`` s."""
+        if self.journal_actor is None:
+            raise RuntimeError("restart_controller needs a controller built with a journal (controller_restarts > 0)")
+        before = self.controller_stats().restarts
+        ray.kill(self.controller_actor, no_restart=False)
+        deadline = time.monotonic() + timeout
+        while (n := self.controller_stats().restarts) <= before:  # a call that reached the old actor before it died
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the controller actor was not restarted within {timeout} s")
+            time.sleep(0.01)
+        return n
+
     def close(self) -> None:
         """Wake waiters, then end the actors."""
         try:

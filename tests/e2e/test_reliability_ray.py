@@ -129,9 +129,11 @@ def test_chaos_on_ray_trains_every_trajectory_exactly_once_with_its_bytes(ray_lo
     units = {"u0": "n0", "u1": "n1", "u2": "n2"}
     r = run_chaos("ray", lambda plan: build_ray(TEXT_SCHEMA, units, RANKS, checksums=True, faults=plan),
                   lambda dp, u: ray.get(dp.unit_actors[u].restart.remote(), timeout=30),
-                  ChaosConfig(trajectories=300, minibatch=30, seed=1, fault_rate=0.3, timeout_s=30))
+                  ChaosConfig(trajectories=300, minibatch=30, seed=1, fault_rate=0.3, timeout_s=30),
+                  restart_controller=lambda dp: dp.restart_controller(timeout=30))
     assert (r.trained, r.lost, r.duplicated, r.corrupted) == (300, 0, 0, 0)
     assert dict(r.survived) == dict(r.injected)
+    assert r.injected["controller_restart"] >= 1 and r.released_minibatches == 10  # killed mid-run, all released
     assert {CLASSES[k] for k in r.injected} == {"lost_data", "retries", "corruption", "hang"}
 
 

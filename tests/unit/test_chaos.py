@@ -14,9 +14,10 @@ UNITS = {"u0": "n0", "u1": "n1", "u2": "n2"}
 
 def _run(seed: int, n: int = 600):
     return run_chaos("inprocess", lambda plan: build_inprocess(TEXT_SCHEMA, UNITS, ("n0", "n1"), checksums=True,
-                                                               faults=plan),
+                                                               faults=plan, recoverable=True),
                      lambda dp, u: dp.units[u].restart(), ChaosConfig(trajectories=n, minibatch=30, seed=seed,
-                                                                      fault_rate=0.3, timeout_s=20))
+                                                                      fault_rate=0.3, timeout_s=20),
+                     restart_controller=lambda dp: dp.restart_controller())
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -26,7 +27,9 @@ def test_under_random_faults_every_trajectory_is_trained_exactly_once_with_its_b
     assert dict(r.survived) == dict(r.injected), "a fault that fired was not survived"
     assert {CLASSES[k] for k in r.injected} == {"lost_data", "retries", "corruption", "hang"}
     assert len(r.injected) >= 12 and set(r.injected) <= set(KINDS)
+    assert r.injected["controller_restart"] >= 3  # the controller was rebuilt mid-run, several times
     assert r.held_max == 0 and r.final_unit_bytes == 0  # controller state compacted, storage freed
+    assert r.released_minibatches == 600 // 30
 
 
 def test_chaos_catches_a_store_that_keeps_the_producers_buffer(monkeypatch):
