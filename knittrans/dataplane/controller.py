@@ -265,14 +265,18 @@ class Controller:
     def _strip_repeats_locked(self, records: Sequence[PutRecord]) -> list[PutRecord]:
         """Idempotent puts: drop what a retried put repeats (fields its unit already held with identical bytes and
         this controller registered, and the same completing metadata) so a retry whose first reply was lost is a
-        no-op. Fields the unit held but the controller never registered (the first register call was lost) stay."""
+        no-op. Fields the unit held but the controller never registered (the first register call was lost) stay.
+        A field this controller registered on the same unit, of the same size and checksum, is a repeat even when
+        the unit took it as new: the unit holds those bytes now (a register retried across a controller restart,
+        whose rebuild learnt the field from the unit's manifest; or a re-put to a unit that had lost it)."""
         out = []
         for r in records:
             st = self._trajs.get(r.traj_id)
             if st is None or st.unit_id != r.unit_id:
                 out.append(r)
                 continue
-            rep = {fm.name for fm in r.fields if fm.name in r.repeated and st.fields.get(fm.name) == fm.nbytes}
+            rep = {fm.name for fm in r.fields if st.fields.get(fm.name) == fm.nbytes
+                   and (fm.name in r.repeated or st.checksums.get(fm.name) == fm.checksum)}
             same_meta = r.meta is not None and st.meta == r.meta
             if rep or same_meta:
                 r = dataclasses.replace(r, fields=tuple(fm for fm in r.fields if fm.name not in rep),

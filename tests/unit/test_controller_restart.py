@@ -141,6 +141,24 @@ def test_a_unit_lost_while_the_controller_was_down_is_missing_after_the_restart_
     assert dp.controller.stats().released_minibatches == 1
 
 
+def test_a_register_retried_across_a_restart_is_a_noop_and_never_rolls_back_stored_bytes():
+    """The unit stored the put, the controller died before registering (or answering), the rebuild learnt the
+    trajectory from the unit's manifest, and the register is retried: a no-op, not a duplicate error whose
+    rollback would drop the bytes the controller now points at."""
+    dp = build_inprocess(TEXT_SCHEMA, UNITS, ("n0",), recoverable=True, checksums=True)
+    from knittrans.dataplane.faults import with_checksums
+
+    records = dp.units["u0"].put(with_checksums([_payload(t) for t in range(4)]))  # the register never arrived
+    dp.restart_controller()
+    assert dp.controller.stats().trajectories == 4  # known from the manifest
+    assert dp.controller.register(records) == ()  # the retried register
+    dp.client("u0").put([_payload(t) for t in range(4)])  # and a retried put: no-ops both
+    c = dp.client()
+    c.admit(MiniBatch(0, 0, (0, 1, 2, 3), (0,), 0))
+    share = c.fetch(MiniBatch(0, 0, (0, 1, 2, 3), (0,), 0), 0)
+    assert share.traj_ids == (0, 1, 2, 3) and all(u.stats().nbytes == 0 for u in dp.units.values())
+
+
 def test_restore_needs_a_journal():
     dp = build_inprocess(TEXT_SCHEMA, UNITS, ("n0",))
     with pytest.raises(RuntimeError, match="recoverable=True"):
