@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -90,7 +91,8 @@ class JournalState:
     epochs: Mapping[int, int]
     sealed: bool
     counters: Mapping[str, int]  # planned, completed, discarded, units_lost, skipped
-    rows: tuple[tuple, ...]
+    rows_i: array  # released records, flat: 6 int columns per row (``controller._REC_INT_COLUMNS``)
+    rows_f: array  # and 2 float columns per row (t_complete, t_admit)
     t0_wall: float  # wall time (time.time) of the first controller's start: times stay on one clock
     restarts: int
 
@@ -110,7 +112,8 @@ class ControllerJournal:
         self._epochs: dict[int, int] = {}
         self._sealed = False
         self._counters: dict[str, int] = {}
-        self._rows: list[tuple] = []
+        self._rows_i = array("q")  # records in columns as the controller keeps them: 64 B per trajectory
+        self._rows_f = array("d")
         self._t0_wall = time.time()
         self._attached = False
         self._restarts = 0
@@ -146,7 +149,9 @@ class ControllerJournal:
                 self._acked.pop(released.key, None)
                 self._released_keys.add(released.key)
                 self._released.update(released.traj_ids)
-                self._rows.extend(released.rows)
+                for row in released.rows:
+                    self._rows_i.extend(row[:6])
+                    self._rows_f.extend(row[6:])
                 if released.done_batches:  # their policy inputs are no longer needed by a replay
                     done = set(released.done_batches)
                     kept: list[BatchEvent | CompleteEvent] = []
@@ -183,7 +188,8 @@ class ControllerJournal:
             return JournalState(tuple(self._events), tuple(self._admitted[k] for k in self._log if k in self._admitted),
                                 {k: frozenset(v) for k, v in self._acked.items()}, tuple(self._log),
                                 frozenset(self._released_keys), tuple(self._released.ranges), dict(self._epochs),
-                                self._sealed, dict(self._counters), tuple(self._rows), self._t0_wall, self._restarts)
+                                self._sealed, dict(self._counters), array("q", self._rows_i), array("d", self._rows_f),
+                                self._t0_wall, self._restarts)
 
     def t0_wall(self) -> float:
         return self._t0_wall
@@ -192,7 +198,7 @@ class ControllerJournal:
         """Entries held (tests check the journal stays bounded by what is in flight)."""
         with self._lock:
             return {"events": len(self._events), "admitted": len(self._admitted), "log": len(self._log),
-                    "released_ranges": len(self._released.ranges), "rows": len(self._rows)}
+                    "released_ranges": len(self._released.ranges), "rows": len(self._rows_f) // 2}
 
 
 @dataclass
@@ -222,20 +228,27 @@ def rebuild(ctrl: "Controller", state: JournalState, manifests: Mapping[str, Seq
     ctrl._planned, ctrl._completed = c.get("planned", 0), c.get("completed", 0)
     ctrl._discarded, ctrl._units_lost = c.get("discarded", 0), c.get("units_lost", 0)
     ctrl._restarts = state.restarts
-    for row in state.rows:
-        for k, v in zip(_REC_INT_COLUMNS, row):
-            ctrl._rec_i[k].append(v)
-        ctrl._rec_f["t_complete"].append(row[-2])
-        ctrl._rec_f["t_admit"].append(row[-1])
-    # 1. where every surviving trajectory lives (a released one is dropped; a second copy too)
+    w = len(_REC_INT_COLUMNS)
+    for j, k in enumerate(_REC_INT_COLUMNS):
+        ctrl._rec_i[k] = state.rows_i[j::w]
+    ctrl._rec_f["t_complete"], ctrl._rec_f["t_admit"] = state.rows_f[0::2], state.rows_f[1::2]
+    # 1. where every surviving trajectory lives (a released one is dropped; of two copies -- a put whose rollback had
+    # not landed yet -- the one with more fields stays, ties by unit id)
+    best: dict[int, PutRecord] = {}
     for unit_id in sorted(manifests):
         for r in manifests[unit_id]:
             t = r.traj_id
-            if t in ctrl._released_ids or t in ctrl._trajs:
+            if t in ctrl._released_ids:
                 out.drops.setdefault(unit_id, []).append(t)
-                continue
-            ctrl._trajs[t] = _TrajState(unit_id, {fm.name: fm.nbytes for fm in r.fields}, r.num_tokens,
-                                        checksums={fm.name: fm.checksum for fm in r.fields if fm.checksum is not None})
+            elif t not in best or len(r.fields) > len(best[t].fields):
+                if t in best:
+                    out.drops.setdefault(best[t].unit_id, []).append(t)
+                best[t] = r
+            else:
+                out.drops.setdefault(unit_id, []).append(t)
+    for t, r in best.items():
+        ctrl._trajs[t] = _TrajState(r.unit_id, {fm.name: fm.nbytes for fm in r.fields}, r.num_tokens,
+                                    checksums={fm.name: fm.checksum for fm in r.fields if fm.checksum is not None})
     # 2. the unreleased admitted mini-batches, as journaled (shares are never re-assigned)
     for adm, t_admit in state.admitted:
         acked = set(state.acked.get(adm.key, ()))
