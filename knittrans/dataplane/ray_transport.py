@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
+from functools import cached_property
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -100,11 +102,23 @@ def _journal_call(ref: "ray.ObjectRef") -> None:
                             f"be recovered after a restart; stop and restart the handoff") from None
 
 
+def _resolve(actor: "ray.actor.ActorHandle | str") -> "ray.actor.ActorHandle":
+    """An actor handle, or the name of a named one. A restartable actor takes the actors it talks to by name: Ray
+    treats an actor handle among constructor arguments as an object-store argument, which a restart may fail to
+    find (ray-project/ray#53727)."""
+    return ray.get_actor(actor) if isinstance(actor, str) else actor
+
+
 @dataclass(frozen=True)
 class RayJournal:
-    """The controller's view of a ``JournalActor``: every write waits for the journal's reply (write-ahead)."""
+    """The controller's view of a ``JournalActor`` (named: see ``_resolve``): every write waits for the journal's
+    reply (write-ahead)."""
 
-    actor: "ray.actor.ActorHandle"
+    name: str
+
+    @cached_property
+    def actor(self) -> "ray.actor.ActorHandle":
+        return _resolve(self.name)
 
     def batch(self, plan: BatchPlan, planned: int) -> None:
         _journal_call(self.actor.batch.remote(plan, planned))
@@ -135,15 +149,15 @@ class ControllerActor:
     def __init__(self, schema: TrajectorySchema, unit_nodes: Mapping[str, str], config: ControllerConfig,
                  unit_actors: Mapping[str, "ray.actor.ActorHandle"],
                  controller_cls: type[Controller] = Controller,  # a subclass: knittrans.mmdedup.plane
-                 policy: "AdmissionPolicy | None" = None,
-                 journal: "ray.actor.ActorHandle | None" = None) -> None:
-        extra = (RayJournal(journal),) if journal is not None else ()
+                 policy: "AdmissionPolicy | None" = None, journal: "RayJournal | None" = None) -> None:
+        # unit_actors: handles, or names when the actor is restartable (``_resolve``)
+        extra = (journal,) if journal is not None else ()
         self.ctrl = controller_cls(schema, unit_nodes, config, policy, *extra)
-        self.unit_actors = dict(unit_actors)
+        self.unit_actors = {u: _resolve(a) for u, a in unit_actors.items()}
         self._drops: list[tuple[str, ray.ObjectRef]] = []  # drops sent and not yet confirmed
         self._drops_lock = threading.Lock()
         if journal is not None:
-            state = ray.get(journal.attach.remote())
+            state = ray.get(journal.actor.attach.remote())
             if state is not None:  # Ray restarted this actor: rebuild from the journal and the units
                 self._restore(state)
 
@@ -470,14 +484,20 @@ def build_ray(schema: TrajectorySchema, unit_nodes: Mapping[str, str], rank_node
     if isinstance(controller_restarts, bool) or not isinstance(controller_restarts, int) or controller_restarts < 0:
         raise ValueError(f"build_ray: controller_restarts must be an int >= 0, got {controller_restarts!r}")
     cfg = ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts)
-    units = {}
+    plane = f"knittrans-{uuid.uuid4().hex[:12]}"  # names this plane's actors (a restarted controller finds them)
+    units, names = {}, {}
     for u, node in unit_nodes.items():
         strategy = _node_affinity(node)
-        opts = {"scheduling_strategy": strategy} if strategy is not None else {}
-        units[u] = StorageUnitActor.options(**opts).remote(u, node, schema, faults.for_unit(u) if faults else ())
-    journal = JournalActor.remote() if controller_restarts else None
-    opts = dict(max_restarts=controller_restarts, max_task_retries=-1) if controller_restarts else {}
-    ctrl = ControllerActor.options(**opts).remote(schema, dict(unit_nodes), cfg, units, Controller, policy, journal)
+        opts: dict = {"scheduling_strategy": strategy} if strategy is not None else {}
+        names[u] = f"{plane}-unit-{u}"
+        units[u] = StorageUnitActor.options(name=names[u], **opts).remote(u, node, schema,
+                                                                         faults.for_unit(u) if faults else ())
+    journal = JournalActor.options(name=f"{plane}-journal").remote() if controller_restarts else None
+    if controller_restarts:
+        ctrl = ControllerActor.options(max_restarts=controller_restarts, max_task_retries=-1).remote(
+            schema, dict(unit_nodes), cfg, names, Controller, policy, RayJournal(f"{plane}-journal"))
+    else:
+        ctrl = ControllerActor.remote(schema, dict(unit_nodes), cfg, units, Controller, policy)
     dp = RayDataPlane(schema, ctrl, units, prepare or PrepareConfig(), checksums, read_timeout_s, journal)
     ray.get([ctrl.stats.remote(), *(a.stats.remote() for a in units.values())])  # wait until all are up
     return dp
