@@ -714,6 +714,13 @@ class Controller:
                     out.append(t)
             return tuple(out)
 
+    def untracked(self, traj_ids: Sequence[int]) -> tuple[int, ...]:
+        """Those of ``traj_ids`` this controller has no record of (never registered, discarded, or -- after a
+        restart -- lost with a unit before admission, so no unit reported them): what a producer that keeps its
+        trajectories until they are released must put again (``ProducerBuffer.reput_missing``)."""
+        with self._cv:
+            return tuple(t for t in traj_ids if t not in self._trajs and t not in self._released_ids)
+
     def unclaim(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> None:
         """Undo a claim whose delivery failed (unit lost, payload corrupt): the (rank, field)s that were claimed
         and not acked may be claimed again. Acked ones stay consumed."""

@@ -271,8 +271,11 @@ class ProducerBuffer:
                                                   f"{[p.traj_id for p in payloads][:8]}") from err
 
     def reput_missing(self) -> tuple[int, ...]:
-        """Re-put this producer's trajectories that the controller lists as missing; returns their ids."""
+        """Re-put this producer's trajectories that the controller lists as missing, or no longer knows at all (a
+        restarted controller never heard of a trajectory lost with its unit before admission); returns their ids."""
         ids = [t for t in self.client.controller.missing() if t in self.kept]
+        if self.kept:
+            ids += [t for t in self.client.controller.untracked(tuple(self.kept)) if t not in ids]
         if ids:
             self._put_somewhere([self.kept[t] for t in ids])
             self.reputs += len(ids)

@@ -253,6 +253,9 @@ class ControllerActor:
     def unreleased(self, traj_ids: Sequence[int]) -> tuple[int, ...]:
         return self.ctrl.unreleased(traj_ids)
 
+    def untracked(self, traj_ids: Sequence[int]) -> tuple[int, ...]:
+        return self.ctrl.untracked(traj_ids)
+
     def unclaim(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> None:
         self.ctrl.unclaim(key, rank, fields)
 
@@ -328,6 +331,9 @@ class RayControllerProxy:
 
     def unreleased(self, traj_ids: Sequence[int]) -> tuple[int, ...]:
         return _call(self.actor.unreleased.remote(tuple(traj_ids)))
+
+    def untracked(self, traj_ids: Sequence[int]) -> tuple[int, ...]:
+        return _call(self.actor.untracked.remote(tuple(traj_ids)))
 
     def unclaim(self, key: MiniBatchKey, rank: int, fields: Sequence[str]) -> None:
         _call(self.actor.unclaim.remote(key, rank, tuple(fields)))

@@ -24,9 +24,9 @@ commits that the journal lacks (the controller died between a completion and its
 Memory: the journal holds what is in flight (unreleased mini-batches, the policy inputs of unfinished batches), the
 released ids as ranges, one key per step, and the records if kept -- the same bound as the controller's own state.
 Not covered: the journal's own loss (on Ray its actor has no restart: it is the one piece to keep alive), the
-multimodal controller's encoding references, and trajectories that were never completed and sat on a unit lost
-while the controller was down (the rebuilt controller does not know them; producers that keep payloads until
-release re-put them under ``unreleased``).
+multimodal controller's encoding references. A trajectory never admitted nor completed that sat on a unit lost
+while the controller was down is unknown to the rebuilt controller (no unit reports it): ``Controller.untracked``
+names it, and a producer that keeps payloads until release re-puts it (``ProducerBuffer.reput_missing``).
 """
 
 from __future__ import annotations
