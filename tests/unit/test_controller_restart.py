@@ -159,6 +159,35 @@ def test_a_register_retried_across_a_restart_is_a_noop_and_never_rolls_back_stor
     assert share.traj_ids == (0, 1, 2, 3) and all(u.stats().nbytes == 0 for u in dp.units.values())
 
 
+def test_a_stream_that_ended_a_batch_short_still_ends_after_a_restart_forgot_that_batch():
+    """The greedy baseline ends a used-up batch with fewer mini-batches (``skipped_minibatches``); once that batch
+    is released its policy inputs leave the journal, so a replayed policy never sees the skip. The sealed stream
+    must still end after the right number of steps (EndOfStream), not wait for a step that never comes."""
+    from baselines.admission import make_policy
+    from knittrans.dataplane.types import EndOfStream
+
+    c = BatchConstraints(batch_size=4, num_minibatches=2, max_response_len=8, group_size=2, size_slack=1,
+                         whole_groups=False)
+    dp = build_inprocess(TEXT_SCHEMA, UNITS, ("n0",), policy=make_policy("greedy", c), recoverable=True)
+    ctrl, client = dp.controller, dp.client()
+    ctrl.add_batch(BatchPlan(0, (GroupSpec(0, 0, 2),)))  # one group of 2 in a batch of 4: ended after 1 step
+    ctrl.add_batch(BatchPlan(1, (GroupSpec(1, 1, 2), GroupSpec(2, 1, 2))))
+    ctrl.seal()
+    meta = {t: Trajectory(traj_id=t, group_id=t // 2, batch_id=min(1, t // 2), num_tokens=1 + t % 5, v_gen=0)
+            for t in range(6)}
+    dp.client("u0").put([_payload(t, meta[t]) for t in range(2)])
+    got = [client.fetch_next(0, 0, timeout=5).traj_ids]
+    dp.restart_controller()  # batch 0 is released: the replay no longer sees it, nor its skipped step
+    dp.client("u1").put([_payload(t, meta[t]) for t in range(2, 6)])
+    dp.restart_controller()
+    seq = 1
+    with pytest.raises(EndOfStream):
+        while True:
+            got.append(client.fetch_next(seq, 0, timeout=5).traj_ids)
+            seq += 1
+    assert sorted(t for ids in got for t in ids) == list(range(6)) and ctrl.stats().restarts == 2
+
+
 def test_restore_needs_a_journal():
     dp = build_inprocess(TEXT_SCHEMA, UNITS, ("n0",))
     with pytest.raises(RuntimeError, match="recoverable=True"):
