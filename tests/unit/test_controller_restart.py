@@ -188,6 +188,30 @@ def test_a_stream_that_ended_a_batch_short_still_ends_after_a_restart_forgot_tha
     assert sorted(t for ids in got for t in ids) == list(range(6)) and ctrl.stats().restarts == 2
 
 
+def test_a_replay_that_decides_differently_from_the_journal_is_a_typed_error():
+    """Recovery replays the admission policy: one whose decisions differ on replay (not deterministic) must not
+    silently re-split a mini-batch some rank may already hold."""
+    import dataclasses
+
+    from knittrans.dataplane.recovery import RecoveryError
+
+    class Flaky(KnitTransAdmission):
+        flip = False  # set between the run and its replay: the replay then orders a mini-batch differently
+
+        def on_trainer_ready(self, now):  # noqa: ANN001, ANN201
+            mbs = super().on_trainer_ready(now)
+            return [dataclasses.replace(m, traj_ids=m.traj_ids[::-1]) if Flaky.flip else m for m in mbs]
+
+    c = BatchConstraints(batch_size=4, num_minibatches=2, max_response_len=8, group_size=2)
+    dp = build_inprocess(TEXT_SCHEMA, UNITS, ("n0",), policy=Flaky(c), recoverable=True)
+    dp.controller.add_batch(BatchPlan(0, (GroupSpec(0, 0, 2), GroupSpec(1, 0, 2))))
+    dp.client("u0").put([_payload(t, Trajectory(t, t // 2, 0, 1 + t % 5, 0)) for t in range(2)])
+    assert dp.controller.stats().admitted == 1
+    Flaky.flip = True
+    with pytest.raises(RecoveryError, match=r"replayed admission of .* the admission policy is not deterministic"):
+        dp.restart_controller()
+
+
 def test_restore_needs_a_journal():
     dp = build_inprocess(TEXT_SCHEMA, UNITS, ("n0",))
     with pytest.raises(RuntimeError, match="recoverable=True"):
