@@ -326,8 +326,11 @@ class MMController(Controller):
     ranks in equal counts (or with trajectories of unknown group) is split per trajectory as usual."""
 
     def __init__(self, schema: TrajectorySchema, unit_nodes: Mapping[str, str], config: ControllerConfig,
-                 policy: "AdmissionPolicy | None" = None) -> None:
+                 policy: "AdmissionPolicy | None" = None, cross_unit: bool = True) -> None:
+        """``cross_unit`` False: claims name no image sources, so each unit ships every distinct image it holds
+        (dedup within a unit only: the plain twin of the cross-unit path)."""
         super().__init__(schema, unit_nodes, config, policy)
+        self.cross_unit = cross_unit
         self._group: dict[int, int] = {}
         self._images: dict[int, tuple[ImageKey, ...]] = {}  # trajectory -> its images' content keys
 
@@ -351,7 +354,7 @@ class MMController(Controller):
         """``Controller.claim``; with ``image_index`` among the fields and every trajectory's keys known, an
         ``MMShareLocation`` naming one unit per distinct image (``image_sources``)."""
         loc = super().claim(key, rank, fields, epoch)
-        if IMAGE_FIELD not in loc.fields:
+        if IMAGE_FIELD not in loc.fields or not self.cross_unit:
             return loc
         with self._cv:
             imgs = [self._images.get(t) for t in loc.traj_ids]
@@ -486,10 +489,12 @@ class MMInProcessDataPlane(InProcessDataPlane):
 def build_mm_inprocess(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], schema: TrajectorySchema = MM_SCHEMA,
                        hash_fn: HashFn = encoding_hash_fn, balance_slack: float = 0.05, equal_counts: bool = True,
                        prepare: PrepareConfig | None = None,
-                       policy: "AdmissionPolicy | None" = None, dedup: bool = True) -> MMInProcessDataPlane:
+                       policy: "AdmissionPolicy | None" = None, dedup: bool = True,
+                       cross_unit: bool = True) -> MMInProcessDataPlane:
     """``build_inprocess`` with ``MMStorageUnit``s and the group-keeping ``MMController`` (admitting through
     ``policy`` when given, as ``knittrans.handoff`` does). ``dedup`` False: units store and move every image
-    occurrence (the plain twin)."""
-    ctrl = MMController(schema, unit_nodes, ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts), policy)
+    occurrence (the plain twin); ``cross_unit`` False: dedup within each unit only (``MMController``)."""
+    ctrl = MMController(schema, unit_nodes, ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts), policy,
+                        cross_unit)
     units = {u: MMStorageUnit(u, n, schema, hash_fn, dedup) for u, n in unit_nodes.items()}
     return MMInProcessDataPlane(schema, ctrl, units, prepare or PrepareConfig())

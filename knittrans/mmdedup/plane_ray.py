@@ -13,6 +13,7 @@ slots) is ``knittrans.dataplane.ray_transport``'s.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Collection, Mapping, Sequence
 
@@ -67,9 +68,10 @@ class MMRayDataPlane(RayDataPlane):
 def build_mm_ray(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], schema: TrajectorySchema = MM_SCHEMA,
                  hash_fn: HashFn = encoding_hash_fn, balance_slack: float = 0.05, equal_counts: bool = True,
                  prepare: PrepareConfig | None = None, policy=None,  # noqa: ANN001 - an AdmissionPolicy
-                 dedup: bool = True) -> MMRayDataPlane:
+                 dedup: bool = True, cross_unit: bool = True) -> MMRayDataPlane:
     """``build_ray`` with ``MMStorageUnitActor``s and the ``MMController``. Ray must already be initialized.
-    ``dedup`` False: units store and move every image occurrence (the plain twin)."""
+    ``dedup`` False: units store and move every image occurrence (the plain twin); ``cross_unit`` False: dedup
+    within each unit only."""
     if not ray.is_initialized():
         raise RuntimeError("build_mm_ray: call ray.init(...) first")
     cfg = ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts)
@@ -78,7 +80,8 @@ def build_mm_ray(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], sch
         strategy = _node_affinity(node)
         opts = {"scheduling_strategy": strategy} if strategy is not None else {}
         units[u] = MMStorageUnitActor.options(**opts).remote(u, node, schema, hash_fn, dedup)
-    ctrl = ControllerActor.remote(schema, dict(unit_nodes), cfg, units, MMController, policy)
+    ctrl_cls = MMController if cross_unit else functools.partial(MMController, cross_unit=False)
+    ctrl = ControllerActor.remote(schema, dict(unit_nodes), cfg, units, ctrl_cls, policy)
     dp = MMRayDataPlane(schema, ctrl, units, prepare or PrepareConfig())
     ray.get([ctrl.stats.remote(), *(a.stats.remote() for a in units.values())])  # wait until all are up
     return dp

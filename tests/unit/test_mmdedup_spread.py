@@ -77,21 +77,23 @@ def test_spread_copies_are_moved_once_per_consumer_and_every_occurrence_is_index
     assert dp.live_bytes() == 0
 
 
-def test_spread_without_keys_moves_once_per_unit_and_the_plain_twin_every_occurrence():
-    """The two baselines of the claim above: the plain twin (no keys, no dedup) moves every occurrence."""
+def test_spread_within_unit_dedup_moves_once_per_unit_and_the_plain_twin_every_occurrence():
+    """The two plain twins of the claim above: dedup within each unit only (``cross_unit=False``) moves each image
+    once per unit holding it; no dedup (no keys either) moves every occurrence."""
     groups = _groups(n=4, prompts=2, k=1)
-    dp = build_mm_inprocess(UNITS, RANKS, dedup=False)
-    _put_spread(dp, groups)
     group_of = {s.traj_id: (g, s) for g in groups for s in g.samples}
     mb = MiniBatch(0, 0, tuple(group_of), (0, 1), 0)
-    dp.controller.admit(mb)
-    total = 0
-    for r in range(len(RANKS)):
-        share = dp.client().fetch(mb, rank=r)
-        _check_index_map(share, group_of)
-        total += share.pixel_nbytes
-    assert total == 4 * _distinct_bytes(groups)
-    assert dp.live_bytes() == 0
+    for kw, copies in (({"cross_unit": False}, 3), ({"dedup": False}, 4)):  # 4 samples over 3 units
+        dp = build_mm_inprocess(UNITS, RANKS, **kw)
+        _put_spread(dp, groups)
+        dp.controller.admit(mb)
+        total = 0
+        for r in range(len(RANKS)):
+            share = dp.client().fetch(mb, rank=r)
+            _check_index_map(share, group_of)
+            total += share.pixel_nbytes
+        assert total == copies * _distinct_bytes(groups)
+        assert dp.live_bytes() == 0
 
 
 def test_same_bytes_with_another_grid_on_another_unit_stay_two_images():
