@@ -137,8 +137,9 @@ class MMShareLocation(ShareLocation):
 
 @dataclass(frozen=True)
 class MMShare(PackedShare):
-    """A rank's share with its distinct images. ``nbytes`` = fields + ``pixel_nbytes`` (distinct images' bytes);
-    ``occurrence_nbytes`` = the pixel bytes a fetch without dedup would move."""
+    """A rank's share with its distinct images. ``nbytes`` = fields + ``pixel_nbytes`` (pixel bytes the units
+    shipped: each distinct image once when the claim named one unit per image); ``occurrence_nbytes`` = the pixel
+    bytes a fetch without dedup would move."""
 
     images: ImageSet = field(default_factory=lambda: ImageSet((), ()))
     pixel_nbytes: int = 0

@@ -155,3 +155,19 @@ def test_the_claim_names_one_unit_per_image_local_first():
     loc = dp.controller.claim(MiniBatchKey(0, 0), 0, ("input_ids", "image_index"))
     assert isinstance(loc, MMShareLocation)
     assert {u: len(ks) for u, ks in loc.image_sources} == {"u0": 0, "u1": 1}
+
+
+def test_the_encoding_plane_reads_a_copy_held_by_two_units_once():
+    from knittrans.mmdedup import EncodingPlane
+
+    img, other = torch.randn(16, 1176), torch.randn(16, 1176)
+    plane = EncodingPlane(["u0", "u1"], hash_fn=lambda ts: [b"\0" * 16 for _ in ts])  # fast keys all collide
+    plane.register("u0", 0, [img], [(1, 4, 4)])
+    plane.register("u1", 1, [img.clone()], [(1, 4, 4)])
+    plane.register("u1", 2, [other], [(1, 4, 4)])
+    plane.register("u1", 3, [img.clone()], [(1, 2, 8)])  # same bytes, another grid: another image
+    f = plane.fetch([0, 1, 2, 3])
+    assert f.image_ids[0] == f.image_ids[1] and len(f.images.pixels) == 3
+    assert f.nbytes == 3 * img.numel() * 4 and f.occurrence_nbytes == 4 * img.numel() * 4
+    assert torch.equal(f.images.pixels[f.image_ids[2][0]], other)
+    assert f.images.grids[f.image_ids[3][0]] == (1, 2, 8)
