@@ -9,7 +9,9 @@ Per sweep point (n samples per prompt x k images per prompt), on the same multim
   trainable vision tower) on it, timed: the baseline encodes every image occurrence, KnitTrans each distinct image
   once (same gradients: tests/equivalence); a hook on the vision tower counts the patches each encodes.
 - **transfer** (``knittrans.bench``): the verl driver path (``baselines.centralized_system``, build-ahead) against
-  ``knittrans.Handoff`` on Ray (prefetch), steady state, each system's emulated compute calibrated to its own step.
+  ``knittrans.Handoff`` on Ray (prefetch), steady state, each system's emulated compute calibrated to its own step;
+  with ``verl_mm`` also verl's own multimodal step (``baselines.verl_mm``, the baseline's step) for the context
+  claim ``mm_transfer_train_speedup_verl``.
 
 K passes per point: pass p pairs the p-th training timing (both systems, alternating) with the p-th interleaved
 transfer pass. Rows: ``repro.spec.speedup.SpeedupTrial``; claims and verdicts are the spec's.
@@ -30,6 +32,7 @@ from omegaconf import OmegaConf
 
 from baselines.centralized import CentralizedConfig
 from baselines.centralized_system import CentralizedSystem, CentralOverlap
+from baselines.verl_mm import VerlMMSystem
 from knittrans.bench import BenchLayout, KnitTransSystem, interleaved_passes
 from knittrans.bench.mm_train import deliver_share, step_batches, time_train_steps
 from knittrans.dataplane.harness import calibrate_iters_per_token
@@ -72,6 +75,9 @@ class SpeedupConfig:
     """Consecutive batches per steady transfer pass (the first is warm-up)."""
     central_overlap: str = "build_ahead"
     """The verl driver's overlap across batches: "build_ahead" (one-step-off at best) or "serial"."""
+    verl_mm: bool = True
+    """Also run ``verl-mm`` (``baselines.verl_mm``: verl's own multimodal step, three dispatches of per-sample
+    multi_modal_inputs) in the transfer passes (claim ``mm_transfer_train_speedup_verl``); the gate skips it."""
     out_dir: str = "results/speedup"
     logger: str = "wandb"
     seed: int = 0
@@ -123,6 +129,9 @@ def run_point(cfg: SpeedupConfig, session, n: int, k: int) -> list[SpeedupTrial]
     systems = [CentralizedSystem("centralized", layout, session, CentralizedConfig(),
                                  CentralOverlap(cfg.central_overlap)),
                KnitTransSystem("knittrans-ray", layout, Transport.RAY, multimodal=True, session=session)]
+    if cfg.verl_mm:  # trains every occurrence, as the centralized baseline: the same emulated step
+        systems.append(VerlMMSystem("verl-mm", layout, session, CentralOverlap(cfg.central_overlap)))
+        ipt["verl-mm"] = ipt["centralized"]
     try:
         recs = interleaved_passes(systems, cfg.passes, src.make, cfg.num_batches, ipt, raw=False)
     finally:
@@ -136,7 +145,9 @@ def run_point(cfg: SpeedupConfig, session, n: int, k: int) -> list[SpeedupTrial]
                          baseline_step_s=st.baseline_s, knittrans_step_s=st.dedup_s,
                          baseline_patches=st.baseline_patches, knittrans_patches=st.dedup_patches,
                          baseline_bytes=by[(p, "centralized")].bytes_moved,
-                         knittrans_bytes=by[(p, "knittrans-ray")].bytes_moved) for p, st in enumerate(steps)]
+                         knittrans_bytes=by[(p, "knittrans-ray")].bytes_moved,
+                         verl_transfer_s=by[(p, "verl-mm")].mean_exposed_s if cfg.verl_mm else None)
+            for p, st in enumerate(steps)]
 
 
 def measure(cfg: SpeedupConfig, progress: bool = True) -> list[SpeedupTrial]:
@@ -240,7 +251,8 @@ def gate_trials(passes: int = 5) -> list[SpeedupTrial]:
     tower a larger share of a step, so dedup's training gain shows at this size), ``passes`` interleaved passes (5:
     both terms of a pass swing with the machine's load, the median of 5 does not)."""
     return measure(SpeedupConfig(group_sizes=[8], images_per_prompt=[1], prompts_per_batch=4, image_side=168,
-                                 model="tiny", train_repeats=2, passes=passes, logger="none"), progress=False)
+                                 model="tiny", train_repeats=2, passes=passes, verl_mm=False, logger="none"),
+                   progress=False)
 
 
 ConfigStore.instance().store(name="speedup_schema", node=SpeedupConfig)

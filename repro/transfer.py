@@ -7,6 +7,9 @@ seeded batches, trainer-rank actors, emulated compute and rollout clock (``knitt
 - ``centralized``: verl's DataProto path with train-batch admission (``baselines.centralized_system``): the driver
   waits for the whole batch, gathers, repeats prompts (and images), pads to the batch's longest, balances, scatters.
 - ``centralized-padmax`` (text): the same, padding to the configured maxima as verl's rollout ships.
+- ``verl-mm`` (multimodal): verl's own multimodal step (``baselines.verl_mm``): per-sample ``multi_modal_inputs``
+  dicts of torch tensors in a DataProto, gathered to the driver, then shipped to the ranks for each of verl's three
+  dispatches per step (old log-prob, reference log-prob, update).
 - ``transferqueue`` (text, when installed): TransferQueue's KV API (``baselines.transferqueue_system``).
 - ``knittrans-ray``: ``knittrans.Handoff`` on Ray: admission in the controller as the producers' completing puts
   arrive, units, prefetching consumers in the rank actors, ack after each step (``knittrans.bench``).
@@ -37,6 +40,7 @@ from omegaconf import OmegaConf
 from baselines import transferqueue_adapter as tqa
 from baselines.centralized import CentralizedConfig
 from baselines.centralized_system import CentralizedSystem, CentralOverlap
+from baselines.verl_mm import VerlMMSystem
 from knittrans.bench import BenchLayout, KnitTransSystem, PassRecord, TransferSystem, interleaved_passes
 from knittrans.dataplane.harness import calibrate_iters_per_token, memcpy_gbps
 from knittrans.handoff import Transport
@@ -54,6 +58,7 @@ class System(str, Enum):
     KNITTRANS_RAY = "knittrans-ray"
     KNITTRANS_RAY_NOPREFETCH = "knittrans-ray-noprefetch"
     KNITTRANS_INPROC = "knittrans-inproc"
+    VERL_MM = "verl-mm"
 
 
 class Workload(str, Enum):
@@ -61,8 +66,11 @@ class Workload(str, Enum):
     MULTIMODAL = "multimodal"
 
 
-MM_SYSTEMS = (System.CENTRALIZED, System.KNITTRANS_RAY, System.KNITTRANS_RAY_NOPREFETCH, System.KNITTRANS_INPROC)
+MM_SYSTEMS = (System.CENTRALIZED, System.VERL_MM, System.KNITTRANS_RAY, System.KNITTRANS_RAY_NOPREFETCH,
+              System.KNITTRANS_INPROC)
 """TransferQueue's adapter moves per-trajectory fields without dedup, and padmax is the text table's variant."""
+TEXT_SYSTEMS = tuple(s for s in System if s is not System.VERL_MM)
+"""verl-mm moves multimodal inputs (its text twin is ``centralized``)."""
 
 
 @dataclass
@@ -178,6 +186,8 @@ def make_system(kind: System, cfg: TransferConfig, layout: BenchLayout, session)
         conf = CentralizedConfig(pad_to=pad, max_prompt_len=cfg.text.max_prompt_len,
                                  max_response_len=cfg.text.max_response_len)
         return CentralizedSystem(kind.value, layout, session, conf, CentralOverlap(cfg.central_overlap))
+    if kind is System.VERL_MM:
+        return VerlMMSystem(kind.value, layout, session, CentralOverlap(cfg.central_overlap))
     if kind is System.TRANSFERQUEUE:
         from baselines.transferqueue_system import TransferQueueSystem
         from knittrans.dataplane.types import TEXT_SCHEMA
@@ -214,7 +224,7 @@ def measure(cfg: TransferConfig, progress: bool = True) -> tuple[list[TransferTr
 
     torch.set_num_threads(1)
     mm = Workload(cfg.workload) is Workload.MULTIMODAL
-    kinds = [System(s) for s in cfg.systems if not mm or System(s) in MM_SYSTEMS]
+    kinds = [System(s) for s in cfg.systems if System(s) in (MM_SYSTEMS if mm else TEXT_SYSTEMS)]
     notes = [f"not run for this workload: {', '.join(System(s).value for s in cfg.systems if System(s) not in kinds)}"
              ] if len(kinds) < len(cfg.systems) else []
     if System.TRANSFERQUEUE in kinds and not tqa.transferqueue_available():

@@ -15,11 +15,38 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 
 from workloads.multimodal import MMSample, MMWorkloadConfig
 from workloads.vlm import TinyVLMConfig
+
+
+class Placement(str, Enum):
+    """Which rollout engine (producer) generates each sample of a batch; it writes to the storage unit on its node."""
+
+    SPREAD = "spread"
+    """verl's agent loop: every sample is its own request, sent to the least-loaded server (``AsyncLLMServerManager.
+    _choose_server``: a heap of request counts, each new request to the least-used server), so with the batch's
+    n x P requests issued together the samples are dealt round robin and a group's n samples sit on min(n, E)
+    engines: ``producer(row) = row mod E`` over the repeated batch's rows."""
+    GROUP = "group"
+    """Every sample of group g on engine ``g mod E`` (one request with n samples per prompt): each unit holds whole
+    groups, so per-unit dedup alone already moves each image once."""
+
+
+def producer_of(placement: Placement | str, group_index: int, sample: int, group_size: int, num_producers: int) -> int:
+    """The producer of sample ``sample`` of group ``group_index`` under ``placement``.
+
+        >>> [producer_of("spread", g, i, 4, 3) for g in range(2) for i in range(4)]
+        [0, 1, 2, 0, 1, 2, 0, 1]
+        >>> [producer_of("group", g, i, 4, 3) for g in range(2) for i in range(4)]
+        [0, 0, 0, 0, 1, 1, 1, 1]
+    """
+    if Placement(placement) is Placement.GROUP:
+        return group_index % num_producers
+    return (group_index * group_size + sample) % num_producers
 
 
 @dataclass
@@ -37,6 +64,14 @@ class MMTransferWorkload:
     image_side: int = 224
     """Nominal image side in pixels; prompts draw from side x side and the two side x 3/4 side rectangles.
     224 x 224 = 256 patches x 1176 fp32 = 1.2 MB of pixel_values; 448 x 448 = 1024 patches = 4.8 MB."""
+    placement: str = "spread"
+    """A ``Placement``: "spread" (verl's agent loop: a group's samples over the least-loaded engines, the default)
+    or "group" (each group on one engine)."""
+
+    def __post_init__(self) -> None:
+        if self.placement not in {p.value for p in Placement} and not isinstance(self.placement, Placement):
+            raise ValueError(f"MMTransferWorkload.placement: unknown {self.placement!r}; choose from "
+                             f"{[p.value for p in Placement]}")
 
 
 def workload_config(w: MMTransferWorkload, seed: int, vlm: TinyVLMConfig | None = None) -> MMWorkloadConfig:

@@ -7,8 +7,9 @@
 
 ``make(uid, slot)`` is a batch with id ``uid``, trajectory ids offset by ``uid * B`` and group ids by ``uid * P``
 (data is consumed exactly once) and content chosen by ``slot`` (``knittrans.bench.interleaved_passes``: every
-system moves the same content at the same position of its pass); the producer (rollout engine) of group g is
-``g % num_producers``.
+system moves the same content at the same position of its pass); the producer (rollout engine) of a text group g is
+``g % num_producers``, of a multimodal sample the workload's ``placement`` decides (``multimodal_data.producer_of``:
+spread over the least-loaded engines by default, as verl's agent loop places them).
 
     >>> tp = TextPasses(TextDataConfig(num_prompts=4, group_size=2, response_len_median=8, max_response_len=32),
     ...                 num_minibatches=2, num_producers=2)
@@ -24,7 +25,8 @@ import numpy as np
 from knittrans.bench.types import PassData
 from knittrans.handoff import Rollout
 from knittrans.types import BatchPlan, GroupSpec, MiniBatch, Trajectory
-from workloads.multimodal_data import MMTransferWorkload, prompt_len, trajectory_fields, workload_config
+from workloads.multimodal_data import (MMTransferWorkload, Placement, producer_of, prompt_len, trajectory_fields,
+                                      workload_config)
 from workloads.text_data import TextDataConfig, make_text_batch
 
 
@@ -104,7 +106,8 @@ class MMPasses:
                                                    prompt_tokens=prompt_len(s)), f,
                                         images=tuple(imgs[j] for j in s.image_index),
                                         grids=tuple(grids[j] for j in s.image_index)))
-                prompt_of[t], producer[t] = gi, gi % self.num_producers
+                prompt_of[t] = gi
+                producer[t] = producer_of(self.shape.placement, gi, i, n, self.num_producers)
                 ids_of[gi].append(t)
         tokens = {r.traj.traj_id: int(r.tensors["input_ids"].shape[0]) for r in rollouts}
         plan = BatchPlan(p, tuple(GroupSpec(p * P + gi, p, n, prompt_len(g.samples[0])) for gi, (g, _) in
@@ -120,7 +123,8 @@ class MMPasses:
     def describe(self) -> str:
         w, probe = self.shape, self.make(0)
         return (f"multimodal: {w.prompts_per_batch} prompts x n={w.group_size} = {w.prompts_per_batch * w.group_size} "
-                f"trajectories, {w.images_per_prompt} "
+                f"trajectories ({Placement(w.placement).value} placement over {self.num_producers} engines), "
+                f"{w.images_per_prompt} "
                 f"image(s) per prompt ({w.image_side}px and 3/4 rectangles), "
                 f"{probe.distinct_pixel_nbytes / 1e6:.1f} MB of distinct pixel_values per batch "
                 f"({probe.occurrence_pixel_nbytes / 1e6:.0f} MB with one copy per sample), "

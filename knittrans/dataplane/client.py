@@ -71,7 +71,8 @@ class UnitAPI(Protocol):
 class UnitGetter(Protocol):
     """Reads chunks from several units at once (the Ray transport issues every get before waiting on any)."""
 
-    def __call__(self, requests: Sequence[tuple[str, tuple[int, ...]]], fields: Sequence[str]) -> list[UnitChunk]: ...
+    def __call__(self, requests: Sequence[tuple[str, tuple[int, ...]]], fields: Sequence[str],
+                 unit_args: Mapping[str, tuple] | None = None) -> list[UnitChunk]: ...
 
 
 @dataclass(frozen=True)
@@ -279,6 +280,11 @@ class DataPlaneClient:
                 self.units[unit_id].drop(ts)
         return share
 
+    def _unit_args(self, loc: ShareLocation) -> Mapping[str, tuple] | None:
+        """Hook: extra arguments of each unit's ``get`` for this share (None: none; ``MMClient`` names the
+        images each unit ships)."""
+        return None
+
     def _read(self, loc: ShareLocation) -> tuple[list[UnitChunk], float, float]:
         """The share's chunks from its units (all requested at once), checked against the claim's checksums."""
         t1 = time.perf_counter()
@@ -286,10 +292,11 @@ class DataPlaneClient:
         for t, u in zip(loc.traj_ids, loc.unit_ids):
             requests.setdefault(u, []).append(t)
         reqs = [(u, tuple(ts)) for u, ts in requests.items()]
+        args = self._unit_args(loc)
         if self.getter is not None:
-            chunks = self.getter(reqs, loc.fields)
+            chunks = self.getter(reqs, loc.fields) if args is None else self.getter(reqs, loc.fields, args)
         else:
-            chunks = [self.units[u].get(ts, loc.fields) for u, ts in reqs]
+            chunks = [self.units[u].get(ts, loc.fields, *(args or {}).get(u, ())) for u, ts in reqs]
         if loc.checksums:
             from knittrans.dataplane.faults import verify_chunks
 

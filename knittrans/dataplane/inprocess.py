@@ -73,16 +73,18 @@ class DeadlineGetter:
     units: Mapping[str, UnitAPI]
     read_timeout_s: float | None = 300.0
 
-    def __call__(self, requests: Sequence[tuple[str, tuple[int, ...]]], fields: Sequence[str]) -> list[UnitChunk]:
+    def __call__(self, requests: Sequence[tuple[str, tuple[int, ...]]], fields: Sequence[str],
+                 unit_args: Mapping[str, tuple] | None = None) -> list[UnitChunk]:
+        extra = unit_args or {}
         if self.read_timeout_s is None:
-            return [self.units[u].get(ts, fields) for u, ts in requests]
+            return [self.units[u].get(ts, fields, *extra.get(u, ())) for u, ts in requests]
         at: list[str] = []  # the unit being read (named if the deadline passes)
 
         def read() -> list[UnitChunk]:
             out = []
             for u, ts in requests:
                 at.append(u)
-                out.append(self.units[u].get(ts, fields))
+                out.append(self.units[u].get(ts, fields, *extra.get(u, ())))
             return out
 
         fut = _READERS.submit(read)

@@ -395,8 +395,10 @@ class ParallelRayGetter:
     read_timeout_s: float | None = 300.0
     """Deadline of one share's reads (all units together); past it ``ReadTimeoutError`` and the claim is undone."""
 
-    def __call__(self, requests: Sequence[tuple[str, tuple[int, ...]]], fields: Sequence[str]) -> list[UnitChunk]:
-        refs = [self.units[u].actor.get.remote(ts, tuple(fields)) for u, ts in requests]
+    def __call__(self, requests: Sequence[tuple[str, tuple[int, ...]]], fields: Sequence[str],
+                 unit_args: Mapping[str, tuple] | None = None) -> list[UnitChunk]:
+        extra = unit_args or {}
+        refs = [self.units[u].actor.get.remote(ts, tuple(fields), *extra.get(u, ())) for u, ts in requests]
         deadline = None if self.read_timeout_s is None else time.monotonic() + self.read_timeout_s
         return [_call(r, u, None if deadline is None else max(0.0, deadline - time.monotonic()))
                 for r, (u, _) in zip(refs, requests)]

@@ -6,11 +6,12 @@ its local unit, as it writes the trajectory's other fields to the same unit (``k
 samples of a GRPO group share the prompt's images, so the unit holds one copy per distinct image (bytes compared
 on every key hit, see ``store.py``).
 
-Fetch: a rank gathers the (unit, slot, grid) of every image occurrence of its share, in the share's order, reads
-each distinct (unit, slot, grid) once, and returns an ``ImageSet`` of distinct images plus, per trajectory, the
-indices into it (``TrainSample.image_ids``), which is all the dedup trainer path (``gather.py``) needs. Dedup is
-exact within a unit; the same content on two units (a group split across engines) is moved once per unit,
-because proving two units' copies equal would need their bytes in one place (a key match alone is not proof).
+Fetch: a rank gathers the content key (``keys.ImageKey``: a collision-resistant digest of the bytes, dtype, shape
+and grid) of every image occurrence of its share, in the share's order, reads each distinct key once (from the
+first unit that holds it), and returns an ``ImageSet`` of distinct images plus, per trajectory, the indices into
+it (``TrainSample.image_ids``), which is all the dedup trainer path (``gather.py``) needs. Within a unit the store
+compares bytes on every key hit; across units (a group split across engines, as verl's agent loop places it) the
+strong digest stands in for the comparison, so a copy on a second unit is not moved again.
 
 Consumption: ``consume`` releases the trajectories' references after the trainer step that used them; a slot is
 freed with its last reference (nothing freed early: a later mini-batch's trajectory still holds its own).
@@ -36,7 +37,8 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from knittrans.mmdedup.gather import ImageSet
-from knittrans.mmdedup.keys import EncodingInputError, HashFn, check_finite_pixels, check_grid, encoding_hash_fn
+from knittrans.mmdedup.keys import (EncodingInputError, HashFn, ImageKey, check_finite_pixels, check_grid,
+                                    encoding_hash_fn)
 from knittrans.mmdedup.store import EncodingConflictError, EncodingRef, EncodingStore, EncodingStoreError, StoreStats
 
 
@@ -118,7 +120,7 @@ class EncodingPlane:
         materialises a private copy per distinct image, so a consumer's in-place edit cannot change what the next
         mini-batch receives; False hands out the stored tensors (only for a caller that never writes them)."""
         occ = {t: self.occurrences(t) for t in traj_ids}  # raises before anything is read
-        index: dict[tuple[str, int, tuple[int, int, int]], int] = {}
+        index: dict[ImageKey, int] = {}
         order: list[ImageOccurrence] = []
         image_ids: dict[int, tuple[int, ...]] = {}
         occ_bytes = n_occ = 0
@@ -127,7 +129,8 @@ class EncodingPlane:
             for o in occ[t]:
                 # the grid is part of the key: identical bytes shown as 56x84 and as 84x56 are two images to the
                 # encoder (M-RoPE positions differ), so each keeps its own grid
-                k = (o.unit_id, o.ref.slot, o.grid_thw)
+                k = ImageKey(self.stores[o.unit_id].strong_digest(o.ref), o.ref.key.dtype, o.ref.key.shape,
+                             o.grid_thw)
                 if k not in index:
                     index[k] = len(order)
                     order.append(o)

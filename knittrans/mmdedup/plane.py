@@ -21,9 +21,14 @@ encoding store (``store.py``):
   trajectories; ``MMStorageUnit.drop`` releases their references, and a slot is freed with its last one
   (nothing freed early: a trajectory of a later mini-batch holds its own reference).
 
-Dedup is exact within a unit; the same content on two units is stored and moved once per unit (proving two units'
-copies equal would need their bytes in one place). Same bytes with different grids (a blank 56x84 and 84x56 image)
-share a slot but are delivered as two images: the encoder's output depends on the grid.
+Across units (a group's samples spread over rollout engines, as verl's agent loop places them): each unit reports
+with its put records the ``ImageKey`` of every occurrence (a collision-resistant digest of the bytes, dtype,
+shape and grid); the controller keeps them and, at each claim, names for every distinct key of the share the one
+unit that ships it (the rank's local unit when it holds a copy, else the least loaded holder:
+``MMShareLocation.image_sources``). The other units answer with the key only (``MMUnitChunk.borrowed``) and the
+client resolves it, so a consumer moves each distinct encoding once however many units hold copies; each unit
+still stores its own copy (it was written there). Same bytes with different grids (a blank 56x84 and 84x56
+image) share a slot but are delivered as two images: the encoder's output depends on the grid.
 
 Transports: ``build_mm_inprocess`` (here) and ``knittrans.mmdedup.plane_ray.build_mm_ray`` (units as Ray actors).
 
@@ -49,7 +54,7 @@ from __future__ import annotations
 import threading
 import warnings
 from dataclasses import dataclass, field, fields as dc_fields, replace
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Collection, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -59,11 +64,12 @@ from knittrans.dataplane.client import DataPlaneClient, PrepareConfig, pack_shar
 from knittrans.dataplane.controller import Controller, ControllerConfig
 from knittrans.dataplane.inprocess import InProcessDataPlane
 from knittrans.dataplane.storage import StorageUnit, validate_payload
-from knittrans.dataplane.types import (DuplicatePutError, FieldSpec, PackedShare, PutRecord, SchemaMismatchError,
-                                       ShareLocation, TrajectoryPayload, TrajectorySchema, UnitChunk)
+from knittrans.dataplane.types import (DataPlaneError, DuplicatePutError, FieldSpec, MiniBatchKey, PackedShare,
+                                       PutRecord, SchemaMismatchError, ShareLocation, TrajectoryPayload,
+                                       TrajectorySchema, UnitChunk)
 from knittrans.mmdedup.gather import ImageSet
-from knittrans.mmdedup.keys import (EncodingInputError, HashFn, check_encoding, check_finite_pixels, check_grid,
-                                    encoding_hash_fn)
+from knittrans.mmdedup.keys import (EncodingInputError, HashFn, ImageKey, check_encoding, check_finite_pixels,
+                                    check_grid, encoding_hash_fn)
 from knittrans.mmdedup.store import EncodingRef, EncodingStore, StoreStats, same_bytes
 from knittrans.types import MiniBatch
 
@@ -95,27 +101,45 @@ class MMPayload(TrajectoryPayload):
 
 @dataclass(frozen=True)
 class MMPutRecord(PutRecord):
-    """A unit's ``PutRecord`` plus the trajectory's group (what lets the controller keep groups whole)."""
+    """A unit's ``PutRecord`` plus the trajectory's group (what lets the controller keep groups whole) and the
+    content keys of its images (what lets it name one unit per distinct image of a share)."""
 
     group: int | None = None
+    images: tuple[ImageKey, ...] | None = None
+    """One key per image occurrence (placeholder order); None when this put carried no images or the unit keeps
+    every occurrence apart (``dedup=False``: no cross-unit dedup either)."""
 
 
 @dataclass(frozen=True)
 class MMUnitChunk(UnitChunk):
     """A unit's answer to a get that includes ``image_index``: ``pixels[i]`` / ``grids[i]`` is the i-th distinct
     image of the requested trajectories (each once), and their ``image_index`` values index this list.
-    ``occurrence_nbytes`` is what the same get would move with one copy per occurrence."""
+    ``occurrence_nbytes`` is what the same get would move with one copy per occurrence. With a ``serve`` set
+    (the claim named other units for some images), an ``image_index`` value ``i >= len(pixels)`` stands for
+    ``borrowed[i - len(pixels)]``: an image another unit of the share ships."""
 
     pixels: tuple[np.ndarray, ...] = ()
     grids: tuple[tuple[int, int, int], ...] = ()
     pixel_dtype: str = "float32"
     occurrence_nbytes: int = 0
+    keys: tuple[ImageKey, ...] = ()
+    """``keys[i]``: the content key of ``pixels[i]`` (empty when the unit keeps no keys, ``dedup=False``)."""
+    borrowed: tuple[ImageKey, ...] = ()
+
+
+@dataclass(frozen=True)
+class MMShareLocation(ShareLocation):
+    """A claim's answer plus, per unit of the share, the distinct images (keys) that unit ships; every other image
+    of its trajectories it names by key only. Empty: every unit ships each of its distinct images."""
+
+    image_sources: tuple[tuple[str, tuple[ImageKey, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
 class MMShare(PackedShare):
-    """A rank's share with its distinct images. ``nbytes`` = fields + ``pixel_nbytes`` (distinct images' bytes);
-    ``occurrence_nbytes`` = the pixel bytes a fetch without dedup would move."""
+    """A rank's share with its distinct images. ``nbytes`` = fields + ``pixel_nbytes`` (pixel bytes the units
+    shipped: each distinct image once when the claim named one unit per image); ``occurrence_nbytes`` = the pixel
+    bytes a fetch without dedup would move."""
 
     images: ImageSet = field(default_factory=lambda: ImageSet((), ()))
     pixel_nbytes: int = 0
@@ -208,11 +232,19 @@ class MMStorageUnit(StorageUnit):
                     raced += rs
                 else:
                     self._occ[p.traj_id] = tuple(zip(rs, (tuple(int(x) for x in g) for g in p.grids)))
+        images: dict[int, tuple[ImageKey, ...]] = {}
+        if self.store.dedup:  # content keys for the controller (strong digests: once per slot, cached)
+            occ_of = {**{p.traj_id: tuple(zip(rs, (tuple(int(x) for x in g) for g in p.grids)))
+                         for p, rs in zip(mm, refs)}, **held}
+            images = {t: tuple(self._image_key(ref, grid) for ref, grid in occ) for t, occ in occ_of.items()}
         if raced:
             self.store.release(raced)
         groups = {p.traj_id: p.group for p in payloads if isinstance(p, MMPayload)}
-        return [MMPutRecord(**{f.name: getattr(r, f.name) for f in dc_fields(r)}, group=groups.get(r.traj_id))
-                for r in records]
+        return [MMPutRecord(**{f.name: getattr(r, f.name) for f in dc_fields(r)}, group=groups.get(r.traj_id),
+                            images=images.get(r.traj_id)) for r in records]
+
+    def _image_key(self, ref: EncodingRef, grid: tuple[int, int, int]) -> ImageKey:
+        return ImageKey(self.store.strong_digest(ref), ref.key.dtype, ref.key.shape, grid)
 
     def _same_images(self, occ: tuple[tuple[EncodingRef, tuple[int, int, int]], ...], p: MMPayload) -> bool:
         """Whether ``p`` shows exactly the images (bytes, dtype, shape, grid, order) stored as ``occ``."""
@@ -223,19 +255,31 @@ class MMStorageUnit(StorageUnit):
                 return False
         return True
 
-    def get(self, traj_ids: Sequence[int], fields: Sequence[str]) -> UnitChunk:
+    def get(self, traj_ids: Sequence[int], fields: Sequence[str],
+            serve: Collection[ImageKey] | None = None) -> UnitChunk:
         """``StorageUnit.get``; with ``image_index`` among ``fields``, an ``MMUnitChunk`` carrying each distinct
-        image of these trajectories once (see the class doc)."""
+        image of these trajectories once (see the class doc). ``serve``: ship only the images with these keys and
+        name the others by key (``MMUnitChunk.borrowed``: another unit of the share ships them); None: ship all."""
         chunk = super().get(traj_ids, fields)
         if IMAGE_FIELD not in fields:
             return chunk
         with self._occ_lock:
             occ = [self._occ.get(t, ()) for t in traj_ids]
+        keyed = self.store.dedup
         index: dict[tuple[int, tuple[int, int, int]], int] = {}
-        pixels, grids, local = [], [], []
+        lent: dict[ImageKey, int] = {}
+        pixels, grids, keys, borrowed, entries = [], [], [], [], []
         dtype, occ_bytes = "float32", 0
         for t_occ in occ:
             for ref, grid in t_occ:
+                occ_bytes += ref.nbytes
+                ikey = self._image_key(ref, grid) if keyed else None
+                if serve is not None and ikey is not None and ikey not in serve:
+                    if ikey not in lent:
+                        lent[ikey] = len(borrowed)
+                        borrowed.append(ikey)
+                    entries.append((True, lent[ikey]))
+                    continue
                 key = (ref.slot, grid)
                 if key not in index:
                     index[key] = len(pixels)
@@ -243,14 +287,16 @@ class MMStorageUnit(StorageUnit):
                     dtype = str(x.dtype).removeprefix("torch.")
                     pixels.append((x.view(torch.int16) if x.dtype == torch.bfloat16 else x).numpy())
                     grids.append(grid)
-                local.append(index[key])
-                occ_bytes += ref.nbytes
+                    if ikey is not None:
+                        keys.append(ikey)
+                entries.append((False, index[key]))
+        local = [len(pixels) + i if lent_ else i for lent_, i in entries]
         values = list(chunk.values)
         values[list(fields).index(IMAGE_FIELD)] = np.asarray(local, dtype=np.int64)
         base = {f.name: getattr(chunk, f.name) for f in dc_fields(chunk)}
         base["values"] = tuple(values)
         return MMUnitChunk(**base, pixels=tuple(pixels), grids=tuple(grids), pixel_dtype=dtype,
-                           occurrence_nbytes=occ_bytes)
+                           occurrence_nbytes=occ_bytes, keys=tuple(keys), borrowed=tuple(borrowed))
 
     def drop(self, traj_ids: Sequence[int], fields: Sequence[str] | None = None) -> int:
         """``StorageUnit.drop``; dropping ``image_index`` (or everything) releases the trajectories' image
@@ -281,9 +327,13 @@ class MMController(Controller):
     ranks in equal counts (or with trajectories of unknown group) is split per trajectory as usual."""
 
     def __init__(self, schema: TrajectorySchema, unit_nodes: Mapping[str, str], config: ControllerConfig,
-                 policy: "AdmissionPolicy | None" = None) -> None:
+                 policy: "AdmissionPolicy | None" = None, cross_unit: bool = True) -> None:
+        """``cross_unit`` False: claims name no image sources, so each unit ships every distinct image it holds
+        (dedup within a unit only: the plain twin of the cross-unit path)."""
         super().__init__(schema, unit_nodes, config, policy)
+        self.cross_unit = cross_unit
         self._group: dict[int, int] = {}
+        self._images: dict[int, tuple[ImageKey, ...]] = {}  # trajectory -> its images' content keys
 
     def _registered_locked(self, records: Sequence[PutRecord]) -> None:
         for r in records:  # before admission runs on them, so shares keep these groups whole
@@ -292,10 +342,27 @@ class MMController(Controller):
                 g = r.meta.group_id
             if g is not None and g >= 0:
                 self._group[r.traj_id] = g
+            imgs = getattr(r, "images", None)
+            if imgs is not None:  # a later put without images (e.g. the advantages) keeps the keys
+                self._images[r.traj_id] = imgs
 
     def _forget_locked(self, traj_ids: Sequence[int]) -> None:
         for t in traj_ids:
             self._group.pop(t, None)
+            self._images.pop(t, None)
+
+    def claim(self, key: MiniBatchKey, rank: int, fields: Sequence[str], epoch: int | None = None) -> ShareLocation:
+        """``Controller.claim``; with ``image_index`` among the fields and every trajectory's keys known, an
+        ``MMShareLocation`` naming one unit per distinct image (``image_sources``)."""
+        loc = super().claim(key, rank, fields, epoch)
+        if IMAGE_FIELD not in loc.fields or not self.cross_unit:
+            return loc
+        with self._cv:
+            imgs = [self._images.get(t) for t in loc.traj_ids]
+        if any(i is None for i in imgs):
+            return loc
+        sources = image_sources(loc.unit_ids, imgs, self.config.rank_nodes[rank], self.unit_nodes)  # type: ignore[arg-type]
+        return MMShareLocation(**{f.name: getattr(loc, f.name) for f in dc_fields(loc)}, image_sources=sources)
 
     def _assign(self, items: Sequence[ShareItem], mb: MiniBatch) -> tuple[tuple[int, ...], ...]:
         groups: dict[int, list[ShareItem]] = {}
@@ -318,34 +385,82 @@ class MMController(Controller):
         return tuple(tuple(s) for s in shares)
 
 
+def image_sources(unit_ids: Sequence[str], images: Sequence[Sequence[ImageKey]], rank_node: str,
+                  unit_nodes: Mapping[str, str]) -> tuple[tuple[str, tuple[ImageKey, ...]], ...]:
+    """Per unit of a share, the distinct images it ships (``MMShareLocation.image_sources``): each key once, from
+    the rank's local unit when that holds a copy (no network), else from the holder with the fewest bytes named so
+    far (reads from several units overlap), ties to the holder with more occurrences, then the unit id.
+
+        >>> k = ImageKey(b"d" * 16, "float32", (4, 6), (1, 2, 2))
+        >>> image_sources(["u0", "u1", "u1"], [[k], [k], [k]], "n1", {"u0": "n0", "u1": "n1"})
+        (('u0', ()), ('u1', (ImageKey(digest=b'dddddddddddddddd', dtype='float32', shape=(4, 6), grid=(1, 2, 2)),)))
+    """
+    holders: dict[ImageKey, dict[str, int]] = {}
+    for u, keys in zip(unit_ids, images):
+        for k in keys:
+            h = holders.setdefault(k, {})
+            h[u] = h.get(u, 0) + 1
+    load = {u: 0 for u in dict.fromkeys(unit_ids)}
+    serve: dict[str, list[ImageKey]] = {u: [] for u in load}
+    for k, hs in holders.items():
+        cands = [u for u in hs if unit_nodes.get(u) == rank_node] or list(hs)
+        u = min(cands, key=lambda u: (load[u], -hs[u], u))
+        serve[u].append(k)
+        load[u] += k.nbytes
+    return tuple((u, tuple(ks)) for u, ks in serve.items())
+
+
 @dataclass
 class MMClient(DataPlaneClient):
-    """``DataPlaneClient`` whose fetches (and prefetches) that include ``image_index`` return an ``MMShare``."""
+    """``DataPlaneClient`` whose fetches (and prefetches) that include ``image_index`` return an ``MMShare``: one
+    copy of each distinct image, however many units hold it (the claim's ``image_sources``)."""
+
+    def _unit_args(self, loc: ShareLocation) -> Mapping[str, tuple] | None:
+        if not isinstance(loc, MMShareLocation) or not loc.image_sources:
+            return None
+        return {u: (frozenset(keys),) for u, keys in loc.image_sources}
 
     def _pack(self, loc: ShareLocation, chunks: Sequence[UnitChunk]) -> PackedShare:
         if IMAGE_FIELD not in loc.fields:
             return pack_share(loc, chunks, self.schema, self.prepare)
         f = loc.fields.index(IMAGE_FIELD)
-        shifted, pixels, grids, occ_bytes, offset = [], [], [], 0, 0
+        pixels, grids, occ_bytes, pix_bytes = [], [], 0, 0
+        at: dict[ImageKey, int] = {}  # content key -> index in the share's ImageSet
+        where: list[list[int]] = []  # per chunk: its local image index -> the share's
         for ch in chunks:
             if not isinstance(ch, MMUnitChunk):
                 raise SchemaMismatchError(f"unit {ch.unit_id} is not a multimodal storage unit (it returned no "
                                           f"images for {IMAGE_FIELD!r})")
-            values = list(ch.values)
-            values[f] = values[f] + offset
-            shifted.append(replace(ch, values=tuple(values)))
+            m = []
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
-                for a in ch.pixels:
+                for i, a in enumerate(ch.pixels):
+                    pix_bytes += int(a.nbytes)  # moved, even if another unit shipped the same content
+                    k = ch.keys[i] if ch.keys else None
+                    if k is not None and k in at:
+                        m.append(at[k])
+                        continue
                     # a private copy: in process ``a`` is the unit's stored tensor, on Ray a shared object-store
                     # view; either way a consumer's in-place edit must not reach what the next mini-batch reads
                     x = torch.from_numpy(np.array(a, copy=True))
+                    if k is not None:
+                        at[k] = len(pixels)
+                    m.append(len(pixels))
                     pixels.append(x.view(torch.bfloat16) if ch.pixel_dtype == "bfloat16" else x)
-            grids += ch.grids
+                    grids.append(ch.grids[i])
+            where.append(m)
             occ_bytes += ch.occurrence_nbytes
-            offset += len(ch.pixels)
+        shifted = []
+        for ch, m in zip(chunks, where):
+            for k in ch.borrowed:  # shipped by another unit of this share (the claim named it)
+                if k not in at:
+                    raise DataPlaneError(f"share {loc.key} rank {loc.rank}: unit {ch.unit_id} names image {k} as "
+                                         f"shipped by another unit, but no unit shipped it")
+                m.append(at[k])
+            values = list(ch.values)
+            values[f] = np.asarray(m, dtype=np.int64)[values[f]] if len(values[f]) else values[f]
+            shifted.append(replace(ch, values=tuple(values)))
         share = pack_share(loc, shifted, self.schema, self.prepare)
-        pix_bytes = sum(x.numel() * x.element_size() for x in pixels)
         base = {fl.name: getattr(share, fl.name) for fl in dc_fields(share)}
         base["nbytes"] = share.nbytes + pix_bytes
         return MMShare(**base, images=ImageSet(tuple(pixels), tuple(grids)), pixel_nbytes=pix_bytes,
@@ -376,10 +491,12 @@ def build_mm_inprocess(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...
                        hash_fn: HashFn = encoding_hash_fn, balance_slack: float = 0.05, equal_counts: bool = True,
                        prepare: PrepareConfig | None = None,
                        policy: "AdmissionPolicy | None" = None, dedup: bool = True,
-                       read_timeout_s: float | None = 300.0) -> MMInProcessDataPlane:
+                       cross_unit: bool = True, read_timeout_s: float | None = 300.0) -> MMInProcessDataPlane:
     """``build_inprocess`` with ``MMStorageUnit``s and the group-keeping ``MMController`` (admitting through
     ``policy`` when given, as ``knittrans.handoff`` does). ``dedup`` False: units store and move every image
-    occurrence (the plain twin). ``read_timeout_s``: ``InProcessDataPlane.read_timeout_s``."""
-    ctrl = MMController(schema, unit_nodes, ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts), policy)
+    occurrence (the plain twin); ``cross_unit`` False: dedup within each unit only (``MMController``).
+    ``read_timeout_s``: ``InProcessDataPlane.read_timeout_s``."""
+    ctrl = MMController(schema, unit_nodes, ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts), policy,
+                        cross_unit)
     units = {u: MMStorageUnit(u, n, schema, hash_fn, dedup) for u, n in unit_nodes.items()}
     return MMInProcessDataPlane(schema, ctrl, units, prepare or PrepareConfig(), read_timeout_s=read_timeout_s)

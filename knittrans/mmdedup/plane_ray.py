@@ -2,8 +2,9 @@
 ordinary ``ControllerActor``, ``MMClient`` in any producer or rank process.
 
 A unit actor's ``get`` returns an ``MMUnitChunk``: the fields and each distinct image of the requested
-trajectories once, as numpy arrays (one object-store copy, zero-copy reads on the same node), straight to the
-rank -- never through a driver. Everything else (claim, prefetch, ack, release, the drop that frees encoding
+trajectories once (only those the claim's ``image_sources`` give it, when a group's copies sit on several units),
+as numpy arrays (one object-store copy, zero-copy reads on the same node), straight to the rank -- never through a
+driver. Everything else (claim, prefetch, ack, release, the drop that frees encoding
 slots) is ``knittrans.dataplane.ray_transport``'s.
 
     >>> # dp = build_mm_ray({"u0": "n0", "u1": "n1"}, rank_nodes=("n0", "n1"))
@@ -12,16 +13,17 @@ slots) is ``knittrans.dataplane.ray_transport``'s.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Collection, Mapping, Sequence
 
 import ray
 
 from knittrans.dataplane.client import PrepareConfig
 from knittrans.dataplane.controller import ControllerConfig
 from knittrans.dataplane.ray_transport import ControllerActor, RayDataPlane, UnitHost, _node_affinity
-from knittrans.dataplane.types import TrajectorySchema
-from knittrans.mmdedup.keys import HashFn, encoding_hash_fn
+from knittrans.dataplane.types import TrajectorySchema, UnitChunk
+from knittrans.mmdedup.keys import HashFn, ImageKey, encoding_hash_fn
 from knittrans.mmdedup.plane import MM_SCHEMA, MMClient, MMController, MMStorageUnit, as_mm_client
 from knittrans.mmdedup.store import StoreStats
 
@@ -34,6 +36,11 @@ class MMUnitHost(UnitHost):
 
         torch.set_num_threads(1)
         self.unit = MMStorageUnit(unit_id, node, schema, hash_fn, dedup)
+
+    def get(self, traj_ids: Sequence[int], fields: Sequence[str],
+            serve: Collection[ImageKey] | None = None) -> UnitChunk:
+        """``MMStorageUnit.get`` (``serve``: the images this unit ships for the share, the claim's choice)."""
+        return self.unit.get(traj_ids, fields, serve)
 
     def store_stats(self) -> StoreStats:
         return self.unit.store_stats()
@@ -61,10 +68,10 @@ class MMRayDataPlane(RayDataPlane):
 def build_mm_ray(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], schema: TrajectorySchema = MM_SCHEMA,
                  hash_fn: HashFn = encoding_hash_fn, balance_slack: float = 0.05, equal_counts: bool = True,
                  prepare: PrepareConfig | None = None, policy=None,  # noqa: ANN001 - an AdmissionPolicy
-                 dedup: bool = True, read_timeout_s: float | None = 300.0) -> MMRayDataPlane:
+                 dedup: bool = True, cross_unit: bool = True, read_timeout_s: float | None = 300.0) -> MMRayDataPlane:
     """``build_ray`` with ``MMStorageUnitActor``s and the ``MMController``. Ray must already be initialized.
-    ``dedup`` False: units store and move every image occurrence (the plain twin). ``read_timeout_s``:
-    ``RayDataPlane.read_timeout_s``."""
+    ``dedup`` False: units store and move every image occurrence (the plain twin); ``cross_unit`` False: dedup
+    within each unit only. ``read_timeout_s``: ``RayDataPlane.read_timeout_s``."""
     if not ray.is_initialized():
         raise RuntimeError("build_mm_ray: call ray.init(...) first")
     cfg = ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts)
@@ -73,7 +80,8 @@ def build_mm_ray(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], sch
         strategy = _node_affinity(node)
         opts = {"scheduling_strategy": strategy} if strategy is not None else {}
         units[u] = MMStorageUnitActor.options(**opts).remote(u, node, schema, hash_fn, dedup)
-    ctrl = ControllerActor.remote(schema, dict(unit_nodes), cfg, units, MMController, policy)
+    ctrl_cls = MMController if cross_unit else functools.partial(MMController, cross_unit=False)
+    ctrl = ControllerActor.remote(schema, dict(unit_nodes), cfg, units, ctrl_cls, policy)
     dp = MMRayDataPlane(schema, ctrl, units, prepare or PrepareConfig(), read_timeout_s=read_timeout_s)
     ray.get([ctrl.stats.remote(), *(a.stats.remote() for a in units.values())])  # wait until all are up
     return dp

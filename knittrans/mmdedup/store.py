@@ -35,7 +35,7 @@ from typing import Iterable, Sequence
 import torch
 
 from knittrans.dataplane.idset import IdRanges
-from knittrans.mmdedup.keys import EncodingKey, HashFn, check_encoding, content_keys, encoding_hash_fn
+from knittrans.mmdedup.keys import EncodingKey, HashFn, check_encoding, content_keys, encoding_hash_fn, strong_digest
 
 
 class EncodingStoreError(ValueError):
@@ -80,6 +80,7 @@ class _Slot:
     key: EncodingKey
     tensor: torch.Tensor
     refcount: int
+    strong: bytes | None = None  # BLAKE2b of the bytes, computed on first ask (``strong_digest``)
 
 
 class EncodingStore:
@@ -201,6 +202,21 @@ class EncodingStore:
         """The stored encoding (read it, never write it: every trajectory that references it shares it)."""
         with self._lock:
             return self._slot_locked(ref).tensor
+
+    def strong_digest(self, ref: EncodingRef) -> bytes:
+        """The collision-resistant digest of ``ref``'s bytes (``keys.strong_digest``), computed once per slot
+        (outside the lock: hashing is the expensive part; a slot's bytes never change)."""
+        with self._lock:
+            s = self._slot_locked(ref)
+            if s.strong is not None:
+                return s.strong
+            t = s.tensor
+        d = strong_digest(t)
+        with self._lock:
+            live = self._slots.get(ref.slot)
+            if live is not None:
+                live.strong = d
+        return d
 
     def refcount(self, ref: EncodingRef) -> int:
         """References held on ``ref``'s slot (0 once it is freed)."""

@@ -16,10 +16,16 @@ spread of step times on a shared machine), flagged, and kept out of the verdict.
 Error of a prediction: ``|predicted - measured| / max(measured, 1)`` (mean staleness in steps; a floor of one step
 so that near-zero staleness does not blow the ratio up), range [0, inf).
 
-No gate: a held-out check needs several real runs on each side in a regime where timing matters (rollout slower
-than training some of the time), minutes on 2 cores; a one-minute version would fit and predict a handful of
-sub-second runs whose timing on a shared CI machine is mostly noise, so its verdict would swing from run to run.
-tests/e2e/test_sim_calibration.py checks the calibration and held-out prediction mechanics.
+Gate (``make gate``, ``repro.simcheck.gate_trials``): the simulator calibrated on, and predicting, a RECORDED set
+of real runs (``repro/fixtures/sim-vs-real-gate.jsonl.gz``: 20 runs of both modes, budgets 16-64, both wave sizes,
+two seeds; seed 0 at budgets 16 and 64 calibrates, 14 runs are held out; re-record with
+``repro.simcheck.record_gate_traces()`` after a runtime change that moves real staleness). The gate guards the
+simulator and its calibration, which are deterministic over a fixed trace; live real runs at CI size swing with
+the machine's load (the same six runs gave held-out errors 0.002-0.25 on the shared 2 cores). The current code's
+held-out error on the trace is 0.05; the gate's bound, 0.10, fails a simulator that got twice as wrong: one that
+stops enforcing the in-flight budget (0.15), a fit that drops rollout/trainer interference (0.13) or budget
+released at step start (0.12) (tests/unit/test_gate_simcheck.py). tests/e2e/test_sim_calibration.py checks the
+live calibration and held-out mechanics.
 """
 
 from __future__ import annotations
@@ -126,7 +132,7 @@ CLAIMS: tuple[Claim, ...] = (
                      "Settings where flow control alone sets the staleness (the prediction moves < "
                      f"{FLOW_DETERMINED_SPREAD} steps with rollout 2x faster or slower) are excluded "
                      "(sim_flow_determined_settings)", measure=heldout("sim"), bound=Bound("<=", 0.20),
-          comparison=_CMP),
+          gate=Bound("<=", 0.10), comparison=_CMP),
     Claim("littles_law_heldout_staleness_error", TABLE, ClaimKind.MEASUREMENT, paper="(timing-free baseline)",
           unit="relative", definition=_DEF + "for Little's law's prediction; median [min, max] over the settings",
           measure=heldout("little"), comparison=_CMP),
@@ -140,3 +146,5 @@ CLAIMS: tuple[Claim, ...] = (
           definition="the simulator's error on its own calibration runs (in-sample, timing-sensitive settings)",
           measure=lambda rows: _summary(setting_errors(rows, "sim", "calibration"), "timing-sensitive calibration")),
 )
+
+GATES = {TABLE: "repro.simcheck"}

@@ -205,6 +205,20 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("mm_total_bytes_ratio", MM, ClaimKind.MEASUREMENT, "(context)", "x",
           "all bytes per batch, centralized (gather + scatter incl. every image occurrence) / knittrans-ray (fields + "
           "distinct images)", bytes_ratio("centralized", "knittrans-ray"), comparison=SAME_LAYOUT),
+    Claim("mm_transfer_latency_ratio_verl", MM, ClaimKind.MEASUREMENT, "(context)", "x",
+          RAW.format(num="verl-mm (verl's own multimodal step: per-sample multi_modal_inputs dicts of torch tensors, "
+                         "gathered to the driver, shipped for each of old log-prob, reference, update)",
+                     den="knittrans-ray") + "; median over K passes, [min, max]",
+          ratio("verl-mm", "knittrans-ray", "raw_s"), comparison=SAME_LAYOUT),
+    Claim("mm_exposed_latency_ratio_verl", MM, ClaimKind.MEASUREMENT, "(context)", "x",
+          EXPOSED.format(num="verl-mm (build-ahead)", den="knittrans-ray (prefetch)"),
+          ratio("verl-mm", "knittrans-ray", "exposed_s"), comparison=SAME_LAYOUT),
+    Claim("mm_total_bytes_ratio_verl", MM, ClaimKind.MEASUREMENT, "(context)", "x",
+          "all bytes per batch, verl-mm (gather + three dispatches, every image occurrence each time) / knittrans-ray",
+          bytes_ratio("verl-mm", "knittrans-ray"), comparison=SAME_LAYOUT),
+    Claim("mm_verl_vs_centralized_raw", MM, ClaimKind.MEASUREMENT, "(context)", "x",
+          RAW.format(num="verl-mm", den="centralized (one contiguous pixel buffer, one dispatch)") + ": how much "
+          "kinder than verl today's centralized baseline is", ratio("verl-mm", "centralized", "raw_s")),
     Claim("mm_transfer_latency_ratio_inproc", MM, ClaimKind.MEASUREMENT, "(context)", "x",
           RAW.format(num="centralized (Ray)", den="knittrans-inproc"),
           ratio("centralized", "knittrans-inproc", "raw_s"),

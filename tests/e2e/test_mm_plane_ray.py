@@ -95,3 +95,39 @@ def test_ray_ranks_fetch_each_distinct_image_of_their_share_once(dp):
     dp.wait_drained(timeout=30)  # ... and every drop the controller sent confirmed by its unit (no polling)
     assert dp.live_bytes() == 0
     assert all(s.live_refs == 0 for s in dp.store_stats().values())
+
+
+def test_ray_ranks_fetch_each_distinct_image_once_when_a_groups_copies_sit_on_both_units(ray_local):
+    """verl's placement: a group's samples alternate between the units, so both hold a copy of every image; the
+    claim names one unit per image and a rank still moves each distinct image of its share once."""
+    wl = MultimodalWorkload(MMWorkloadConfig(prompts_per_batch=2, n=4, images_per_prompt=1,
+                                             image_sizes=((56, 56), (56, 84)), seed=1))
+    groups = wl.sample_batch(0)
+    group_of = {s.traj_id: g for g in groups for s in g.samples}
+    plane = build_mm_ray(UNITS, RANKS)
+    try:
+        by_unit: dict[int, list[MMPayload]] = {0: [], 1: []}
+        for gi, g in enumerate(groups):
+            for i, s in enumerate(g.samples):
+                by_unit[i % 2].append(MMPayload(s.traj_id, trajectory_fields(s), group=gi,
+                                                encodings=tuple(g.images[j].pixel_values for j in s.image_index),
+                                                grids=tuple(g.images[j].grid_thw for j in s.image_index)))
+        ray.get([produce.remote(plane, f"u{u}", ps) for u, ps in by_unit.items()])
+        distinct = sum(im.nbytes for g in groups for im in g.images)
+        assert plane.live_bytes() == 2 * distinct  # each unit stores its own copy
+        runs = [Rank.remote(plane, r).consume.remote(1) for r in range(2)]
+        plane.client().admit(MiniBatch(0, 0, tuple(group_of), (0, 1), 0))
+        moved = 0
+        for got in ray.get(runs, timeout=120):
+            for traj_ids, pix, occ, digests in got:
+                mine = {id(group_of[t]): group_of[t] for t in traj_ids}
+                assert pix == sum(im.nbytes for g in mine.values() for im in g.images)  # once, not once per unit
+                for t in traj_ids:
+                    assert digests[t] == [_digest(im.pixel_values) for im in group_of[t].images]
+                moved += pix
+        assert moved == distinct
+        plane.controller.wait_released(1, timeout=30)
+        plane.wait_drained(timeout=30)
+        assert plane.live_bytes() == 0
+    finally:
+        plane.close()

@@ -136,12 +136,15 @@ def test_fetch_moves_each_distinct_encoding_once():
     assert plane.live_bytes() == 0
 
 
-def test_same_content_on_two_units_is_moved_once_per_unit():
+def test_same_content_on_two_units_is_moved_once():
+    """Issue 14: copies on two units (a group spread over engines) are one image to the consumer (content keys
+    with a strong digest across units; tests/unit/test_mmdedup_spread.py has the collision and grid cases)."""
     plane = EncodingPlane(["u0", "u1"])
     a = img(0)
     plane.register("u0", 0, [a], [(1, 2, 4)])
     plane.register("u1", 1, [a.clone()], [(1, 2, 4)])
-    assert plane.fetch([0, 1]).nbytes == 2 * a.numel() * 4
+    f = plane.fetch([0, 1])
+    assert f.nbytes == a.numel() * 4 and f.image_ids[0] == f.image_ids[1]
 
 
 def test_plane_rejects_grid_mismatch_and_unknown_trajectories():
