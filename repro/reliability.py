@@ -196,7 +196,8 @@ def run(cfg: ReliabilityConf) -> dict:
 def gate_trials() -> list[ReliabilityTrial]:
     """CI size, in process only (Ray's chaos run is in tests/e2e/test_reliability_ray.py): the runtime fault
     scenarios (tiny policy), data-plane scenarios, a 1500-trajectory chaos run (controller restarts included), the
-    whole bad-input catalogue and a 20k-trajectory load (~35 s on 2 shared cores, ~25 s of it the runtime runs)."""
+    whole bad-input catalogue and a 20k-trajectory load (~15 s of CPU, most of it the runtime runs; 29-45 s wall
+    measured on 2 shared cores)."""
     cfg = ReliabilityConf(logger="none", load_trajectories=20_000, load_minibatch=500, transports=["inprocess"],
                           runtime_faults=True, chaos_trajectories=1500, chaos_fault_rate=0.3)
     return trials(cfg)
