@@ -116,6 +116,8 @@ class HandoffConfig:
     """A consumer waiting this long for its next mini-batch raises ``TimeoutError`` (None: until closed/sealed)."""
     balance_slack: float = 0.05
     """Share assignment: locality yields once a rank exceeds ``(1 + slack)`` x its ideal tokens."""
+    controller_node: str | None = None
+    """Ray transport: the node of the controller actor (a Ray node id pins it there; None: Ray places it)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "transport", Transport(self.transport))
@@ -173,10 +175,10 @@ def _build_plane(cfg: HandoffConfig, policy: AdmissionPolicy) -> DataPlane:
     if cfg.multimodal:
         from knittrans.mmdedup.plane_ray import build_mm_ray
 
-        return build_mm_ray(units, ranks, schema, dedup=cfg.dedup, **common)
+        return build_mm_ray(units, ranks, schema, dedup=cfg.dedup, controller_node=cfg.controller_node, **common)
     from knittrans.dataplane.ray_transport import build_ray
 
-    return build_ray(schema, units, ranks, checksums=cfg.checksums, **common)
+    return build_ray(schema, units, ranks, checksums=cfg.checksums, controller_node=cfg.controller_node, **common)
 
 
 @dataclass

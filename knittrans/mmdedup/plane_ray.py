@@ -19,7 +19,8 @@ import ray
 
 from knittrans.dataplane.client import PrepareConfig
 from knittrans.dataplane.controller import ControllerConfig
-from knittrans.dataplane.ray_transport import ControllerActor, RayDataPlane, UnitHost, _node_affinity
+from knittrans.dataplane.ray_transport import (ControllerActor, RayDataPlane, UnitHost, _node_affinity,
+                                               controller_options)
 from knittrans.dataplane.types import TrajectorySchema
 from knittrans.mmdedup.keys import HashFn, encoding_hash_fn
 from knittrans.mmdedup.plane import MM_SCHEMA, MMClient, MMController, MMStorageUnit, as_mm_client
@@ -61,9 +62,10 @@ class MMRayDataPlane(RayDataPlane):
 def build_mm_ray(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], schema: TrajectorySchema = MM_SCHEMA,
                  hash_fn: HashFn = encoding_hash_fn, balance_slack: float = 0.05, equal_counts: bool = True,
                  prepare: PrepareConfig | None = None, policy=None,  # noqa: ANN001 - an AdmissionPolicy
-                 dedup: bool = True) -> MMRayDataPlane:
+                 dedup: bool = True, controller_node: str | None = None) -> MMRayDataPlane:
     """``build_ray`` with ``MMStorageUnitActor``s and the ``MMController``. Ray must already be initialized.
-    ``dedup`` False: units store and move every image occurrence (the plain twin)."""
+    ``dedup`` False: units store and move every image occurrence (the plain twin); ``controller_node``: as
+    ``build_ray``'s."""
     if not ray.is_initialized():
         raise RuntimeError("build_mm_ray: call ray.init(...) first")
     cfg = ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts)
@@ -72,7 +74,8 @@ def build_mm_ray(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], sch
         strategy = _node_affinity(node)
         opts = {"scheduling_strategy": strategy} if strategy is not None else {}
         units[u] = MMStorageUnitActor.options(**opts).remote(u, node, schema, hash_fn, dedup)
-    ctrl = ControllerActor.remote(schema, dict(unit_nodes), cfg, units, MMController, policy)
+    ctrl = ControllerActor.options(**controller_options(controller_node)).remote(schema, dict(unit_nodes), cfg,
+                                                                                units, MMController, policy)
     dp = MMRayDataPlane(schema, ctrl, units, prepare or PrepareConfig())
     ray.get([ctrl.stats.remote(), *(a.stats.remote() for a in units.values())])  # wait until all are up
     return dp
