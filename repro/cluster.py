@@ -188,7 +188,8 @@ def rows_from_trace(trace, bandwidths: Sequence[float] = (3.0, 6.25, 12.5, 25.0)
             bytes_moved=rec.bytes_moved, pixel_bytes=rec.pixel_bytes, predicted_s=c.prediction.predicted_s,
             link_gbps=link.bandwidth_Bps / 1e9, link_latency_s=link.latency_s,
             host_gbps=None if link.host_Bps is None else link.host_Bps / 1e9, calibration_err=c.fit.single_rel_err,
-            flow_bytes=c.prediction.flow_bytes, cpu_s=c.prediction.cpu_s))
+            flow_bytes=c.prediction.flow_bytes, cpu_s=c.prediction.cpu_s,
+            predicted_no_network_s=c.prediction.no_network_s))
     m = trace.meta
     costs = PhaseCosts.from_trace(trace.passes, m["memcpy_gbps"] * 1e9)
     balance = StepBalance.from_steps(m["baseline_step_s"], m["dedup_step_s"], m["tokens"],
@@ -230,13 +231,14 @@ def summary_rows(rows: Sequence[Trial]) -> list[dict]:
         pred = [r.predicted_s for r in at if r.predicted_s is not None]
         out.append({"what": f"MEASURED {setting}", "system": system, "passes": len(at),
                     "raw_s": statistics.median(r.raw_s for r in at),
-                    "predicted_s": statistics.median(pred) if pred else None,
+                    "model_s": statistics.median(pred) if pred else None,
                     "bytes_moved": at[0].bytes_moved, "pixel_bytes": at[0].pixel_bytes})
     for r in rows:
         if isinstance(r, ClusterProjectionTrial):
             out.append({"what": f"MODELLED {r.bandwidth_gbps:g} GB/s R={r.num_ranks} n={r.group_size}",
-                        "system": "both", "raw_s": r.central_raw_s, "predicted_s": r.knittrans_raw_s,
-                        "transfer_ratio": r.transfer_ratio, "speedup": r.speedup})
+                        "central_raw_s": r.central_raw_s, "knittrans_raw_s": r.knittrans_raw_s,
+                        "transfer_ratio": r.transfer_ratio, "central_train_s": r.central_train_s,
+                        "knittrans_train_s": r.knittrans_train_s, "speedup": r.speedup})
     return out
 
 
