@@ -82,10 +82,6 @@ class RankActor:
     def ready(self) -> int:
         return self.rank
 
-    def node(self) -> str:
-        """The Ray node id this rank runs on."""
-        return ray.get_runtime_context().get_node_id()
-
     def run(self, source: StepSource, run: RankRun) -> RankTrace:
         first_ask = run.first_ask
         if run.after_previous and self.last_done is not None:
