@@ -14,6 +14,7 @@ the top of the next step) does it after.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from enum import Enum
@@ -26,8 +27,16 @@ from baselines.centralized import (CentralizedConfig, DenseBatch, balance_plan, 
                                    real_tokens)
 from baselines.centralized_mm import MMDenseBatch, build_mm_dense_batch
 from knittrans.bench.loop import finish_raw, finish_steady, merge_traces, step_key
-from knittrans.bench.ray_ranks import RankRun, RaySession, actor_wait
+from knittrans.bench.ray_ranks import RankRun, RaySession, actor_wait, pinned
 from knittrans.bench.types import BenchLayout, Obtained, PassData, PassResult
+from knittrans.dataplane.harness import RankTrace
+from knittrans.dataplane.trace import CpuEvent, FlowEvent
+
+
+@ray.remote(num_cpus=0)
+def _rollout_output(payloads: list) -> list:
+    """A rollout worker's output, created in its node's object store (the task runs there and returns it)."""
+    return payloads
 
 
 class CentralOverlap(str, Enum):
@@ -81,20 +90,51 @@ class CentralizedSystem:
     """The verl driver path (see the module docstring) on a ``RaySession``'s rank actors."""
 
     def __init__(self, name: str, layout: BenchLayout, session: RaySession, config: CentralizedConfig,
-                 overlap: CentralOverlap = CentralOverlap.BUILD_AHEAD) -> None:
+                 overlap: CentralOverlap = CentralOverlap.BUILD_AHEAD, trace: bool = False) -> None:
         self.name, self.layout, self.session, self.config = name, layout, session, config
         self.overlap = CentralOverlap(overlap)
+        self.trace = trace
+        """Raw passes record the driver's path (``PassResult.trace``): one pull per rollout worker's output, the
+        unpickle, the build, per rank the serialization of its chunk and its pull to the rank, the rank's tail."""
+        self._events: list = []
+        self._chunk_bytes: dict[int, int] = {}
 
     def stage(self, d: PassData) -> list:
         """Rollout outputs (token fields) sit in the object store, one object per rollout worker, when the batch
-        completes; a multimodal prompt's images are the driver's (its dataloader's)."""
+        completes; a multimodal prompt's images are the driver's (its dataloader's). On a cluster
+        (``layout.placement``) each worker's output is created on its rollout node (unit ``producer mod U``'s)."""
         by_producer: dict[int, list] = {}
         for p in d.payloads():
             by_producer.setdefault(d.producer_of[p.traj_id], []).append(p)
-        return [ray.put(ps) for _, ps in sorted(by_producer.items())]
+        place = self.layout.placement
+        if place is None:
+            return [ray.put(ps) for _, ps in sorted(by_producer.items())]
+        refs = [_rollout_output.options(**pinned(place.unit_nodes[p % len(place.unit_nodes)])).remote(ps)
+                for p, ps in sorted(by_producer.items())]
+        ray.wait(refs, num_returns=len(refs), fetch_local=False)  # written before t0, on the rollout nodes
+        self._sources = [place.unit_nodes[p % len(place.unit_nodes)] for p in sorted(by_producer)]
+        self._source_bytes = [sum(int(a.nbytes) for x in ps for a in x.tensors.values())
+                              for _, ps in sorted(by_producer.items())]
+        return refs
+
+    def _traced_gather(self, refs: list) -> list:
+        """``ray.get(refs)`` split into one pull per rollout worker's output (a flow each) and the unpickle."""
+        driver, t0 = self.layout.placement.driver_node, time.perf_counter()
+        pending, arrived = list(refs), {}
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, fetch_local=True)
+            arrived[ready[0]] = time.perf_counter()
+        for ref, src, nb in zip(refs, self._sources, self._source_bytes):
+            self._events.append(FlowEvent("gather", src, driver, nb, t0, arrived[ref]))
+        t1 = time.perf_counter()
+        out = ray.get(refs)
+        self._events.append(CpuEvent("deser", driver, t1, time.perf_counter()))
+        return out
 
     def prepare(self, refs: list, d: PassData) -> Prepared:
-        gathered = ray.get(refs)  # 1. gather on the driver
+        traced = self.trace and self.layout.placement is not None
+        gathered = self._traced_gather(refs) if traced else ray.get(refs)  # 1. gather on the driver
+        t_build = time.perf_counter()
         gather_bytes = sum(int(a.nbytes) for chunk in gathered for p in chunk for a in p.tensors.values())
         plan = balance_plan(d.minibatches, d.tokens, self.layout.num_ranks)  # 3. balance
         if d.multimodal:  # 2. concat, repeat (pixel_values too), pad
@@ -103,22 +143,49 @@ class CentralizedSystem:
         else:
             batch = build_dense_batch(gathered, d.prompts, d.prompt_of, d.group_size, plan, self.config)
         chunks = batch.chunk(self.layout.num_ranks)  # 4. scatter (the chunks travel as call arguments)
+        if traced:
+            self._events.append(CpuEvent("build", self.layout.placement.driver_node, t_build, time.perf_counter()))
         return Prepared(chunks, plan.per_minibatch, gather_bytes + sum(c.nbytes for c in chunks))
 
     def _scatter(self, prep: Prepared, t0: float, iters_per_token: float, batch: int, tag: int,
                  after_previous: bool, m: int) -> list:
-        s = self.session
-        return [rk.run.remote(ChunkSource(c, prep.per_minibatch, t0),
-                              RankRun(1, m, iters_per_token, first_batch=batch, tag=tag, signals=s.signals,
-                                      first_ask=t0, after_previous=after_previous))
-                for rk, c in zip(s.ranks, prep.chunks)]
+        s, out = self.session, []
+        for r, (rk, c) in enumerate(zip(s.ranks, prep.chunks)):
+            t = time.perf_counter()  # .remote() serializes the chunk into the driver's object store
+            out.append(rk.run.remote(ChunkSource(c, prep.per_minibatch, t0),
+                                     RankRun(1, m, iters_per_token, first_batch=batch, tag=tag, signals=s.signals,
+                                             first_ask=t0, after_previous=after_previous)))
+            if self.trace and self.layout.placement is not None:
+                self._events.append(CpuEvent("ser", self.layout.placement.driver_node, t, time.perf_counter(),
+                                             f"r{r}"))
+                self._chunk_bytes[r] = int(c.nbytes)
+        return out
 
     def run_raw(self, batch: PassData) -> PassResult:
         refs = self.stage(batch)
+        self._events = []
         t0 = time.perf_counter()
         prep = self.prepare(refs, batch)
         traces = ray.get(self._scatter(prep, t0, 0.0, 0, batch.batch_id, False, batch.num_minibatches))
-        return finish_raw(traces, t0, prep.bytes_moved)
+        res = finish_raw(traces, t0, prep.bytes_moved)
+        if not (self.trace and self.layout.placement is not None):
+            return res
+        return dataclasses.replace(res, trace=self._scatter_trace(traces), t0=t0)
+
+    def _scatter_trace(self, traces: Sequence[RankTrace]) -> tuple:
+        """The pass's events plus, per rank, its chunk's pull (serialized -> the rank's call started: the chunk is
+        the call's argument) and its tail (call started -> its last mini-batch in hand)."""
+        place, ser = self.layout.placement, {e.key: e for e in self._events if e.label == "ser"}
+        out = list(self._events)
+        for tr in sorted(traces, key=lambda t: t.rank):
+            first = min(tr.timings, key=lambda m: (m.batch, m.index))
+            started = first.t_ask + first.fetch_s  # ChunkSource: mini-batch 0's get latency ends when the call ran
+            e = ser[f"r{tr.rank}"]
+            node = place.rank_nodes[tr.rank]
+            out.append(FlowEvent("scatter", place.driver_node, node, self._chunk_bytes[tr.rank], e.t_end, started,
+                                 f"r{tr.rank}"))
+            out.append(CpuEvent("tail", node, started, max(m.t_got for m in tr.timings), f"r{tr.rank}"))
+        return tuple(out)
 
     def run_steady(self, batches: Sequence[PassData], iters_per_token: float) -> PassResult:
         refs = [self.stage(d) for d in batches]  # written while generating, before t0 (as for every system)

@@ -120,6 +120,8 @@ class HandoffConfig:
     """Deadline of a rank's reads of one share from its storage units, on both transports: a unit hung in ``get``
     raises ``ReadTimeoutError`` (the claim is undone, a retry gets the share) instead of blocking the trainer.
     None: no deadline (in process, reads then run on the rank's own thread)."""
+    controller_node: str | None = None
+    """Ray transport: the node of the controller actor (a Ray node id pins it there; None: Ray places it)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "transport", Transport(self.transport))
@@ -182,10 +184,10 @@ def _build_plane(cfg: HandoffConfig, policy: AdmissionPolicy) -> DataPlane:
     if cfg.multimodal:
         from knittrans.mmdedup.plane_ray import build_mm_ray
 
-        return build_mm_ray(units, ranks, schema, dedup=cfg.dedup, **common)
+        return build_mm_ray(units, ranks, schema, dedup=cfg.dedup, controller_node=cfg.controller_node, **common)
     from knittrans.dataplane.ray_transport import build_ray
 
-    return build_ray(schema, units, ranks, checksums=cfg.checksums, **common)
+    return build_ray(schema, units, ranks, checksums=cfg.checksums, controller_node=cfg.controller_node, **common)
 
 
 @dataclass

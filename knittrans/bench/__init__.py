@@ -18,11 +18,11 @@ the measurement primitives are ``knittrans.dataplane.harness``. Tables: ``repro/
 from knittrans.bench.knittrans_system import ConsumerSource, KnitTransSystem
 from knittrans.bench.loop import complete_key, completion_times, finish_raw, finish_steady, rank_loop, step_key
 from knittrans.bench.passes import PassRecord, interleaved_passes
-from knittrans.bench.types import (COMPLETION_FIELDS, BenchLayout, Obtained, PassData, PassKind, PassResult,
-                                   StepSource, TransferSystem)
+from knittrans.bench.types import (COMPLETION_FIELDS, BenchLayout, ClusterPlacement, Obtained, PassData, PassKind,
+                                   PassResult, StepSource, TransferSystem)
 
 __all__ = [
-    "BenchLayout", "COMPLETION_FIELDS", "ConsumerSource", "KnitTransSystem", "Obtained", "PassData", "PassKind",
-    "PassRecord", "PassResult", "StepSource", "TransferSystem", "complete_key", "completion_times", "finish_raw",
-    "finish_steady", "interleaved_passes", "rank_loop", "step_key",
+    "BenchLayout", "COMPLETION_FIELDS", "ClusterPlacement", "ConsumerSource", "KnitTransSystem", "Obtained",
+    "PassData", "PassKind", "PassRecord", "PassResult", "StepSource", "TransferSystem", "complete_key",
+    "completion_times", "finish_raw", "finish_steady", "interleaved_passes", "rank_loop", "step_key",
 ]

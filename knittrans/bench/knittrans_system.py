@@ -18,6 +18,7 @@ trained and for every unit's drop to be confirmed (``wait_drained``), then recor
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import Sequence
 from knittrans.bench.loop import Notify, completion_times, finish_raw, finish_steady, rank_loop
 from knittrans.bench.types import COMPLETION_FIELDS, BenchLayout, Obtained, PassData, PassResult
 from knittrans.dataplane.harness import RankTrace, Signals
+from knittrans.dataplane.trace import FlowEvent
 from knittrans.dataplane.types import PackedShare, TrajectoryPayload
 from knittrans.handoff import Consumer, Handoff, HandoffConfig, Rollout, Transport
 
@@ -75,11 +77,17 @@ class KnitTransSystem:
     ``ray_ranks.RaySession`` (required for ``Transport.RAY``)."""
 
     def __init__(self, name: str, layout: BenchLayout, transport: Transport, multimodal: bool = False,
-                 prefetch: bool = True, session=None, dedup: bool = True) -> None:  # noqa: ANN001 - a RaySession
+                 prefetch: bool = True, session=None, dedup: bool = True,  # noqa: ANN001 - a RaySession
+                 trace: bool = False) -> None:
         if Transport(transport) is Transport.RAY and session is None:
             raise ValueError(f"{name}: the Ray transport needs a RaySession (its rank actors and signal board)")
+        if trace and Transport(transport) is not Transport.RAY:
+            raise ValueError(f"{name}: trace=True records Ray object transfers; it needs the Ray transport")
         self.name, self.layout, self.transport = name, layout, Transport(transport)
         self.multimodal, self.prefetch, self.session, self.dedup = multimodal, prefetch, session, dedup
+        self.trace = trace
+        """Raw passes record their reads (``PassResult.trace``): per share, claim, source work, one pull per unit,
+        unpickling and packing."""
         self._handoff: Handoff | None = None
         self._seq = 0  # mini-batches admitted so far (the next pass's consumers start here)
 
@@ -93,7 +101,8 @@ class KnitTransSystem:
                 prompts_per_batch=len(d.plan.groups), group_size=d.group_size, num_minibatches=d.num_minibatches,
                 max_response_len=d.max_response_len, transport=self.transport,
                 units=tuple(lay.unit_nodes.items()), rank_nodes=lay.rank_nodes, multimodal=self.multimodal,
-                dedup=self.dedup, prefetch_depth=lay.prefetch_depth, admit_timeout_s=ADMIT_TIMEOUT_S))
+                dedup=self.dedup, prefetch_depth=lay.prefetch_depth, admit_timeout_s=ADMIT_TIMEOUT_S,
+                controller_node=lay.placement.controller if lay.placement is not None else None))
         return self._handoff
 
     def _by_unit(self, d: PassData) -> dict[str, list[Rollout]]:
@@ -141,11 +150,27 @@ class KnitTransSystem:
         h.add_batch(batch.plan)
         self.stream(h, batch)
         traces, t0 = self._run(h, 1, batch.num_minibatches, 0.0, self.prefetch, batch.batch_id,
-                               lambda b: self.complete(h, batch), steady=False)
-        return finish_raw(traces, t0[0], live_bytes_after=self._settle(h))
+                               lambda b: self.complete(h, batch), steady=False, trace=self.trace)
+        res = finish_raw(traces, t0[0], live_bytes_after=self._settle(h))
+        return dataclasses.replace(res, trace=self._drain_trace(), t0=t0[0]) if self.trace else res
+
+    def _drain_trace(self) -> tuple:
+        """The rank actors' events of the last pass, with unit ids and blank nodes resolved to Ray nodes."""
+        import ray
+
+        units, ranks = self.layout.unit_nodes, self.layout.rank_nodes
+        out = []
+        for r, evs in enumerate(ray.get([rk.drain_trace.remote() for rk in self.session.ranks])):
+            for e in evs:
+                if isinstance(e, FlowEvent):
+                    e = dataclasses.replace(e, src=units.get(e.src, e.src))
+                elif not e.node:
+                    e = dataclasses.replace(e, node=ranks[r])
+                out.append(e)
+        return tuple(out)
 
     def _run(self, h: Handoff, n: int, m: int, iters_per_token: float, prefetch: bool, tag: int,
-             complete, steady: bool) -> tuple[list[RankTrace], dict[int, float]]:  # noqa: ANN001
+             complete, steady: bool, trace: bool = False) -> tuple[list[RankTrace], dict[int, float]]:  # noqa: ANN001
         """Start every rank on its consumer of the next ``n * m`` shares, run the rollout clock, collect."""
         start, count = self._seq, n * m
         self._seq += count
@@ -157,7 +182,7 @@ class KnitTransSystem:
             from knittrans.bench.ray_ranks import RankRun, actor_wait
 
             s = self.session
-            runs = [rk.run.remote(src, RankRun(n, m, iters_per_token, tag=tag, signals=s.signals))
+            runs = [rk.run.remote(src, RankRun(n, m, iters_per_token, tag=tag, signals=s.signals, trace=trace))
                     for rk, src in zip(s.ranks, sources)]
             t0 = self._clock(n, m, tag, actor_wait(s.signals), complete, steady)
             return ray.get(runs), t0

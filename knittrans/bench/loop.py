@@ -121,6 +121,9 @@ def median_raw(results: Sequence[PassResult]) -> PassResult:
     if not results or any(r.kind is not PassKind.RAW for r in results):
         raise ValueError("median_raw combines one or more raw-pass results")
     lives = [r.live_bytes_after for r in results if r.live_bytes_after is not None]
-    return PassResult(PassKind.RAW, raw_s=statistics.median(r.raw_s for r in results),
+    med = statistics.median(r.raw_s for r in results)
+    nearest = min(results, key=lambda r: abs(r.raw_s - med))  # its trace (if recorded) stands for the median
+    return PassResult(PassKind.RAW, raw_s=med,
                       get_s=tuple(g for r in results for g in r.get_s), bytes_moved=results[-1].bytes_moved,
-                      pixel_nbytes=results[-1].pixel_nbytes, live_bytes_after=max(lives) if lives else None)
+                      pixel_nbytes=results[-1].pixel_nbytes, live_bytes_after=max(lives) if lives else None,
+                      trace=nearest.trace, t0=nearest.t0)

@@ -11,6 +11,7 @@ system of a table, so the trainer side is identical across the rows.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from typing import Hashable
@@ -20,6 +21,7 @@ import ray
 
 from knittrans.bench.loop import Notify, rank_loop
 from knittrans.bench.types import StepSource
+from knittrans.dataplane import trace
 from knittrans.dataplane.harness import RankTrace, Signals
 
 
@@ -61,6 +63,8 @@ class RankRun:
     """The rank has been ready since then (the centralized raw pass: idle since t0)."""
     after_previous: bool = False
     """The rank has been ready since its previous call ended (the centralized driver's next batch)."""
+    trace: bool = False
+    """Record this call's reads (``knittrans.dataplane.trace``); ``RankActor.drain_trace`` hands them over."""
 
 
 @ray.remote(num_cpus=0)
@@ -73,6 +77,7 @@ class RankActor:
         torch.set_num_threads(1)
         self.rank = rank
         self.last_done: float | None = None  # end of this rank's last step (when it was ready for the next)
+        self.events: list = []  # trace events of calls with RankRun.trace
 
     def ready(self) -> int:
         return self.rank
@@ -81,12 +86,20 @@ class RankActor:
         first_ask = run.first_ask
         if run.after_previous and self.last_done is not None:
             first_ask = self.last_done
-        trace = rank_loop(self.rank, source, run.num_batches, run.num_minibatches, run.iters_per_token,
-                          first_ask=first_ask, first_batch=run.first_batch, notify=actor_notify(run.signals),
-                          tag=run.tag)
-        if trace.timings:
-            self.last_done = trace.timings[-1].t_done
-        return trace
+        with trace.recording() if run.trace else contextlib.nullcontext() as rec:
+            out = rank_loop(self.rank, source, run.num_batches, run.num_minibatches, run.iters_per_token,
+                            first_ask=first_ask, first_batch=run.first_batch, notify=actor_notify(run.signals),
+                            tag=run.tag)
+            if rec is not None:
+                self.events += rec.drain()
+        if out.timings:
+            self.last_done = out.timings[-1].t_done
+        return out
+
+    def drain_trace(self) -> list:
+        """The trace events recorded since the last drain."""
+        out, self.events = self.events, []
+        return out
 
 
 def start_ray(num_cpus: int) -> bool:
@@ -101,20 +114,36 @@ def start_ray(num_cpus: int) -> bool:
     return True
 
 
+def pinned(node: str | None) -> dict:
+    """Ray actor options that pin an actor to Ray node ``node`` (None: no options, Ray places it)."""
+    if node is None:
+        return {}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=False)}
+
+
 @dataclass
 class RaySession:
-    """Ray, ``num_ranks`` rank actors and a signal board, started once per table run and shared by its systems."""
+    """Ray, ``num_ranks`` rank actors and a signal board, started once per table run and shared by its systems.
+    ``rank_nodes`` / ``signal_node``: Ray node ids to pin rank r / the signal board to (a multi-node cluster,
+    ``knittrans.bench.cluster``); None: Ray places them."""
 
     num_ranks: int
     num_cpus: int = 8
     ranks: list = field(default_factory=list)
     signals: "ray.actor.ActorHandle | None" = None
+    rank_nodes: tuple[str, ...] | None = None
+    signal_node: str | None = None
     _owns_ray: bool = False
 
     def __enter__(self) -> "RaySession":
+        if self.rank_nodes is not None and len(self.rank_nodes) != self.num_ranks:
+            raise ValueError(f"RaySession: {len(self.rank_nodes)} rank nodes for {self.num_ranks} ranks")
         self._owns_ray = start_ray(self.num_cpus)
-        self.ranks = [RankActor.remote(r) for r in range(self.num_ranks)]
-        self.signals = SignalActor.remote()
+        nodes = self.rank_nodes or (None,) * self.num_ranks
+        self.ranks = [RankActor.options(**pinned(n)).remote(r) for r, n in enumerate(nodes)]
+        self.signals = SignalActor.options(**pinned(self.signal_node)).remote()
         ray.get([r.ready.remote() for r in self.ranks])
         return self
 

@@ -29,6 +29,27 @@ COMPLETION_FIELDS = ("advantages",)
 
 
 @dataclass(frozen=True)
+class ClusterPlacement:
+    """Where the pieces run on a multi-node Ray cluster, as Ray node ids (``knittrans.bench.cluster``): the
+    driver (the centralized driver gathers, builds and scatters there), one rollout node per storage unit /
+    producer, one node per trainer rank, and the controller (default: the driver's node). Every byte between two
+    of them crosses Ray's object transfer."""
+
+    driver_node: str
+    unit_nodes: tuple[str, ...]
+    rank_nodes: tuple[str, ...]
+    controller_node: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.unit_nodes or not self.rank_nodes:
+            raise ValueError(f"ClusterPlacement needs at least one unit node and one rank node, got {self}")
+
+    @property
+    def controller(self) -> str:
+        return self.controller_node or self.driver_node
+
+
+@dataclass(frozen=True)
 class BenchLayout:
     """Where the pieces sit and how the rollout clock runs, shared by every system of a table."""
 
@@ -42,6 +63,10 @@ class BenchLayout:
     """Leading batches of a steady pass left out of its exposed numbers (the trainer starts idle)."""
     prefetch_depth: int = 2
     """Shares a KnitTrans rank prepares ahead (``HandoffConfig``'s default)."""
+    placement: ClusterPlacement | None = None
+    """A multi-node cluster: units, ranks, controller and driver pinned to these Ray nodes (units on their own
+    rollout nodes, ranks on their own trainer nodes). None: logical node labels on one Ray node (unit u on
+    ``node{u}``, rank r on ``node{r % num_units}``)."""
 
     def __post_init__(self) -> None:
         for name in ("num_ranks", "num_units", "lead_steps", "prefetch_depth"):
@@ -49,6 +74,10 @@ class BenchLayout:
                 raise ValueError(f"BenchLayout.{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup_batches < 0:
             raise ValueError(f"BenchLayout.warmup_batches must be >= 0, got {self.warmup_batches}")
+        p = self.placement
+        if p is not None and (len(p.unit_nodes) != self.num_units or len(p.rank_nodes) != self.num_ranks):
+            raise ValueError(f"BenchLayout.placement places {len(p.unit_nodes)} units and {len(p.rank_nodes)} ranks; "
+                             f"the layout has num_units={self.num_units}, num_ranks={self.num_ranks}")
 
     def check(self, num_batches: int, num_minibatches: int) -> None:
         """A steady pass must keep at least one measured batch, and the lead must fall inside a batch."""
@@ -59,10 +88,14 @@ class BenchLayout:
 
     @property
     def unit_nodes(self) -> dict[str, str]:
+        if self.placement is not None:
+            return {f"unit{u}": n for u, n in enumerate(self.placement.unit_nodes)}
         return {f"unit{u}": f"node{u}" for u in range(self.num_units)}
 
     @property
     def rank_nodes(self) -> tuple[str, ...]:
+        if self.placement is not None:
+            return self.placement.rank_nodes
         return tuple(f"node{r % self.num_units}" for r in range(self.num_ranks))
 
     def unit(self, producer: int) -> str:
@@ -174,6 +207,11 @@ class PassResult:
     live_bytes_after: int | None = None
     """KnitTrans multimodal: encoding bytes the units still held once the pass was consumed and every drop
     confirmed (0: refcounts back to zero); None where it does not apply."""
+    trace: tuple = ()
+    """A raw pass of a system built with ``trace=True``: its ``knittrans.dataplane.trace`` events (flows between
+    nodes and the CPU work around them), node names resolved to Ray node ids; () otherwise."""
+    t0: float | None = None
+    """The pass's time origin (``perf_counter``), for reading ``trace``."""
 
     @property
     def exposed_per_batch(self) -> tuple[float, ...]:

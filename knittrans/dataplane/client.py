@@ -24,12 +24,14 @@ Example (in-process)::
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
 import numpy as np
 
+from knittrans.dataplane import trace
 from knittrans.dataplane.types import (AdmittedMiniBatch, DataPlaneError, MiniBatchKey, PackedField,
                                        PackedShare, PutRecord, SchemaMismatchError, ShareLocation, ShareTooLargeError,
                                        TrajectoryPayload, TrajectorySchema, UnitChunk, UnitLostError)
@@ -261,8 +263,11 @@ class DataPlaneClient:
     def _deliver(self, loc: ShareLocation, t0: float, ack: bool = True) -> PackedShare:
         """Read a claimed share from its units, verify and pack it, ack it (after which fully consumed
         trajectories are dropped at their units). A failed read or check undoes the claim before re-raising."""
+        rec = trace.active()  # None unless a multi-node run records this process (knittrans.dataplane.trace)
+        key = f"r{loc.rank}/s{loc.seq}"
         try:
-            chunks, t1, t2 = self._read(loc)
+            with trace.keyed(key) if rec is not None else contextlib.nullcontext():
+                chunks, t1, t2 = self._read(loc)
         except DataPlaneError as e:
             if isinstance(e, UnitLostError):
                 self.controller.lose_unit(e.unit_id)  # whoever sees a unit die reports it (idempotent)
@@ -275,6 +280,9 @@ class DataPlaneClient:
             raise
         t3 = time.perf_counter()
         self.last_timing = FetchTiming(t1 - t0, t2 - t1, t3 - t2)
+        if rec is not None:
+            rec.add(trace.CpuEvent("claim", "", t0, t1, key))
+            rec.add(trace.CpuEvent("pack", "", t2, t3, key))
         if ack:
             for unit_id, ts in self.controller.ack(loc.key, loc.rank, loc.fields, _fence(loc.epoch)):
                 self.units[unit_id].drop(ts)

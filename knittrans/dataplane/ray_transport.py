@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 import ray
 
+from knittrans.dataplane import trace
 from knittrans.dataplane.client import DataPlaneClient, PrepareConfig
 from knittrans.dataplane.controller import Controller, ControllerConfig, ControllerStats, HandoffRecord
 from knittrans.dataplane.recovery import CompleteEvent, ControllerJournal, JournalState, RecoveryError, Released
@@ -398,10 +399,45 @@ class ParallelRayGetter:
     def __call__(self, requests: Sequence[tuple[str, tuple[int, ...]]], fields: Sequence[str],
                  unit_args: Mapping[str, tuple] | None = None) -> list[UnitChunk]:
         extra = unit_args or {}
+        t_sub = time.perf_counter()
         refs = [self.units[u].actor.get.remote(ts, tuple(fields), *extra.get(u, ())) for u, ts in requests]
         deadline = None if self.read_timeout_s is None else time.monotonic() + self.read_timeout_s
-        return [_call(r, u, None if deadline is None else max(0.0, deadline - time.monotonic()))
-                for r, (u, _) in zip(refs, requests)]
+        rec = trace.active()
+        if rec is not None:  # a multi-node run's trace: split each read into source work, the pull, the unpickle
+            pulls, t_local = self._traced_wait(rec, refs, t_sub, deadline)
+        chunks = [_call(r, u, None if deadline is None else max(0.0, deadline - time.monotonic()))
+                  for r, (u, _) in zip(refs, requests)]
+        if rec is not None:
+            dst, key, t_end = ray.get_runtime_context().get_node_id(), trace.current_key(), time.perf_counter()
+            rec.add(trace.CpuEvent("deser", dst, t_local, t_end, key))
+            for (u, _), c, (t0, t1) in zip(requests, chunks, pulls):
+                rec.add(trace.FlowEvent("read", u, dst, trace.payload_nbytes(c), t0, t1, key))
+        return chunks
+
+    @staticmethod
+    def _traced_wait(rec: trace.Recorder, refs: list, t_sub: float,
+                     deadline: float | None) -> tuple[list[tuple[float, float]], float]:
+        """Wait until every unit's answer exists at its unit's node (the claim-free part of the read: request,
+        the unit's get, serialization into its node's object store: CPU work, recorded as "source"), then until
+        each is local here (one pull per unit, recorded per object by ``__call__``). Pulls start only after every
+        answer exists (a few ms later than untraced reads, the same for every share)."""
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        ray.wait(refs, num_returns=len(refs), timeout=left(), fetch_local=False)
+        t_created = time.perf_counter()
+        rec.add(trace.CpuEvent("source", ray.get_runtime_context().get_node_id(), t_sub, t_created,
+                               trace.current_key()))
+        arrived: dict = {}  # ObjectRef -> when it was local
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left(), fetch_local=True)
+            if not ready:
+                break  # past the deadline: _call raises ReadTimeoutError for what is missing
+            arrived[ready[0]] = time.perf_counter()
+        now = time.perf_counter()
+        return [(t_created, arrived.get(r, now)) for r in refs], max(arrived.values(), default=now)
 
 
 def _node_affinity(node: str):  # noqa: ANN202 - a Ray scheduling strategy, or None for a logical label
@@ -411,6 +447,12 @@ def _node_affinity(node: str):  # noqa: ANN202 - a Ray scheduling strategy, or N
 
         return NodeAffinitySchedulingStrategy(node_id=node, soft=False)
     return None
+
+
+def controller_options(node: str | None) -> dict:
+    """Ray options pinning the controller actor to ``node`` when it is a live Ray node id (else none)."""
+    strategy = _node_affinity(node) if node is not None else None
+    return {"scheduling_strategy": strategy} if strategy is not None else {}
 
 
 @dataclass
@@ -480,13 +522,15 @@ def build_ray(schema: TrajectorySchema, unit_nodes: Mapping[str, str], rank_node
               balance_slack: float = 0.05, equal_counts: bool = True,
               prepare: PrepareConfig | None = None, checksums: bool = False,
               faults: "FaultPlan | None" = None, policy: "AdmissionPolicy | None" = None,
-              read_timeout_s: float | None = 300.0, controller_restarts: int = 8) -> RayDataPlane:
+              read_timeout_s: float | None = 300.0, controller_restarts: int = 8,
+              controller_node: str | None = None) -> RayDataPlane:
     """Start one ``StorageUnitActor`` per unit (pinned to its node when the node is a Ray node id) and one
     ``ControllerActor``. Ray must already be initialized. ``checksums``: every put carries a CRC-32 per field,
     verified by the unit and by the fetching rank; ``faults``: a ``knittrans.dataplane.faults.FaultPlan``;
     ``policy``: an admission policy the controller actor runs (``knittrans.handoff``); ``read_timeout_s``:
     ``RayDataPlane.read_timeout_s``; ``controller_restarts``: how often a dead controller actor is restarted and
-    rebuilt from its journal (0: never; it then raises ``ControllerLostError``)."""
+    rebuilt from its journal (0: never; it then raises ``ControllerLostError``); ``controller_node``: a Ray node id
+    to pin the controller actor to (None, or a label that is no live node id: Ray places it)."""
     if not ray.is_initialized():
         raise RuntimeError("build_ray: call ray.init(...) first (see the module docstring for clusters)")
     if isinstance(controller_restarts, bool) or not isinstance(controller_restarts, int) or controller_restarts < 0:
@@ -502,10 +546,12 @@ def build_ray(schema: TrajectorySchema, unit_nodes: Mapping[str, str], rank_node
                                                                          faults.for_unit(u) if faults else ())
     journal = JournalActor.options(name=f"{plane}-journal").remote() if controller_restarts else None
     if controller_restarts:
-        ctrl = ControllerActor.options(max_restarts=controller_restarts, max_task_retries=-1).remote(
+        ctrl = ControllerActor.options(max_restarts=controller_restarts, max_task_retries=-1,
+                                       **controller_options(controller_node)).remote(
             schema, dict(unit_nodes), cfg, names, Controller, policy, RayJournal(f"{plane}-journal"))
     else:
-        ctrl = ControllerActor.remote(schema, dict(unit_nodes), cfg, units, Controller, policy)
+        ctrl = ControllerActor.options(**controller_options(controller_node)).remote(
+            schema, dict(unit_nodes), cfg, units, Controller, policy)
     dp = RayDataPlane(schema, ctrl, units, prepare or PrepareConfig(), checksums, read_timeout_s, journal)
     ray.get([ctrl.stats.remote(), *(a.stats.remote() for a in units.values())])  # wait until all are up
     return dp

@@ -21,7 +21,8 @@ import ray
 
 from knittrans.dataplane.client import PrepareConfig
 from knittrans.dataplane.controller import ControllerConfig
-from knittrans.dataplane.ray_transport import ControllerActor, RayDataPlane, UnitHost, _node_affinity
+from knittrans.dataplane.ray_transport import (ControllerActor, RayDataPlane, UnitHost, _node_affinity,
+                                               controller_options)
 from knittrans.dataplane.types import TrajectorySchema, UnitChunk
 from knittrans.mmdedup.keys import HashFn, ImageKey, encoding_hash_fn
 from knittrans.mmdedup.plane import MM_SCHEMA, MMClient, MMController, MMStorageUnit, as_mm_client
@@ -68,10 +69,12 @@ class MMRayDataPlane(RayDataPlane):
 def build_mm_ray(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], schema: TrajectorySchema = MM_SCHEMA,
                  hash_fn: HashFn = encoding_hash_fn, balance_slack: float = 0.05, equal_counts: bool = True,
                  prepare: PrepareConfig | None = None, policy=None,  # noqa: ANN001 - an AdmissionPolicy
-                 dedup: bool = True, cross_unit: bool = True, read_timeout_s: float | None = 300.0) -> MMRayDataPlane:
+                 dedup: bool = True, cross_unit: bool = True, read_timeout_s: float | None = 300.0,
+                 controller_node: str | None = None) -> MMRayDataPlane:
     """``build_ray`` with ``MMStorageUnitActor``s and the ``MMController``. Ray must already be initialized.
     ``dedup`` False: units store and move every image occurrence (the plain twin); ``cross_unit`` False: dedup
-    within each unit only. ``read_timeout_s``: ``RayDataPlane.read_timeout_s``."""
+    within each unit only. ``read_timeout_s``: ``RayDataPlane.read_timeout_s``; ``controller_node``: as
+    ``build_ray``'s."""
     if not ray.is_initialized():
         raise RuntimeError("build_mm_ray: call ray.init(...) first")
     cfg = ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts)
@@ -81,7 +84,8 @@ def build_mm_ray(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], sch
         opts = {"scheduling_strategy": strategy} if strategy is not None else {}
         units[u] = MMStorageUnitActor.options(**opts).remote(u, node, schema, hash_fn, dedup)
     ctrl_cls = MMController if cross_unit else functools.partial(MMController, cross_unit=False)
-    ctrl = ControllerActor.remote(schema, dict(unit_nodes), cfg, units, ctrl_cls, policy)
+    ctrl = ControllerActor.options(**controller_options(controller_node)).remote(schema, dict(unit_nodes), cfg,
+                                                                                units, ctrl_cls, policy)
     dp = MMRayDataPlane(schema, ctrl, units, prepare or PrepareConfig(), read_timeout_s=read_timeout_s)
     ray.get([ctrl.stats.remote(), *(a.stats.remote() for a in units.values())])  # wait until all are up
     return dp

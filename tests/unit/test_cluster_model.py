@@ -1,0 +1,150 @@
+"""The cluster transfer model (``knittrans.sim.cluster_model``): fair sharing, the replay of a task graph, the link
+fit, and the systems' graphs built from traces. Pure Python: no Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from knittrans.dataplane.trace import CpuEvent, FlowEvent
+from knittrans.sim.cluster_model import (LinkModel, Task, central_graph, fair_rates, fit_link, knittrans_graph,
+                                         makespan, predict_pass, simulate)
+
+GB = 10**9
+
+
+def test_flows_into_one_node_share_its_ingress_and_disjoint_flows_do_not():
+    link = LinkModel(1e9)
+    into = [Task("a", src="x", dst="d", nbytes=1), Task("b", src="y", dst="d", nbytes=1)]
+    apart = [Task("a", src="x", dst="d", nbytes=1), Task("b", src="y", dst="e", nbytes=1)]
+    assert fair_rates(into, link) == pytest.approx([0.5e9, 0.5e9])
+    assert fair_rates(apart, link) == pytest.approx([1e9, 1e9])
+
+
+def test_host_cap_binds_every_flow_of_one_machine_together():
+    assert fair_rates([Task("a", src="x", dst="d", nbytes=1), Task("b", src="y", dst="e", nbytes=1)],
+                      LinkModel(1e9, host_Bps=1.2e9)) == pytest.approx([0.6e9, 0.6e9])
+
+
+def test_max_min_fairness_gives_a_flow_what_a_bottlenecked_neighbour_leaves():
+    # a and b leave x; b also enters d with c: d's ingress halves b and c; a takes the rest of x's egress
+    flows = [Task("a", src="x", dst="e", nbytes=1), Task("b", src="x", dst="d", nbytes=1),
+             Task("c", src="y", dst="d", nbytes=1)]
+    assert fair_rates(flows, LinkModel(1e9)) == pytest.approx([0.5e9, 0.5e9, 0.5e9])
+    flows[2] = Task("c", src="y", dst="d", nbytes=1)
+    flows.append(Task("d2", src="z", dst="d", nbytes=1))
+    assert fair_rates(flows, LinkModel(9e8)) == pytest.approx([6e8, 3e8, 3e8, 3e8])
+
+
+def test_replay_runs_latency_then_bytes_and_frees_bandwidth_when_a_flow_ends():
+    link = LinkModel(1e9, latency_s=0.1)
+    done = simulate([Task("small", src="x", dst="d", nbytes=GB // 2), Task("big", src="y", dst="d", nbytes=GB),
+                     Task("cpu", ("small", "big"), cpu_s=0.25)], link)
+    # both at 0.5 GB/s until small ends (0.1 + 1.0 s), then big alone at 1 GB/s for its last 0.5 GB
+    assert done["small"][1] == pytest.approx(1.1)
+    assert done["big"][1] == pytest.approx(1.6)
+    assert done["cpu"] == pytest.approx((1.6, 1.85))
+
+
+def test_replay_rejects_unknown_dependencies_and_duplicate_names():
+    with pytest.raises(ValueError, match="unknown"):
+        simulate([Task("a", ("nope",), cpu_s=1.0)], LinkModel(1e9))
+    with pytest.raises(ValueError, match="unique"):
+        simulate([Task("a"), Task("a")], LinkModel(1e9))
+    with pytest.raises(ValueError, match="bandwidth"):
+        LinkModel(0.0)
+
+
+def _calibration(link: LinkModel) -> list[FlowEvent]:
+    """Synthetic calibration rounds that a link behaves exactly like ``link``."""
+    out, i = [], 0
+    for nb in (4 << 20, 16 << 20, 48 << 20):
+        for s, d in (("a", "b"), ("d", "c")):
+            t = link.latency_s + nb / link.bandwidth_Bps
+            out.append(FlowEvent("calibration", s, d, nb, 10.0 * i, 10.0 * i + t, f"single/{i}"))
+            i += 1
+    for kind, pairs in (("in", [("a", "d"), ("b", "d")]), ("disjoint", [("a", "b"), ("c", "d")])):
+        tasks = [Task(f"f{j}", src=s, dst=d, nbytes=32 << 20) for j, (s, d) in enumerate(pairs)]
+        ends = simulate(tasks, link)
+        out += [FlowEvent("calibration", s, d, 32 << 20, 10.0 * i, 10.0 * i + ends[f"f{j}"][1], f"{kind}/{i}")
+                for j, (s, d) in enumerate(pairs)]
+        i += 1
+    return out
+
+
+def test_fit_link_recovers_the_link_that_made_the_calibration():
+    truth = LinkModel(5e8, latency_s=0.02, host_Bps=6e8)
+    fit = fit_link(_calibration(truth))
+    assert fit.link.bandwidth_Bps == pytest.approx(5e8, rel=1e-6)
+    assert fit.link.latency_s == pytest.approx(0.02, rel=1e-6)
+    assert fit.link.host_Bps == pytest.approx(6e8, rel=1e-3)
+    assert fit.single_rel_err < 1e-6 and fit.concurrent_rel_err < 1e-3
+
+
+def test_fit_link_leaves_out_a_host_cap_that_does_not_bind():
+    fit = fit_link(_calibration(LinkModel(5e8, latency_s=0.01)))
+    assert fit.link.host_Bps is None
+
+
+def test_fit_link_needs_two_sizes():
+    one = [FlowEvent("calibration", "a", "b", 100, 0.0, 1.0, "single/0"),
+           FlowEvent("calibration", "a", "b", 100, 2.0, 3.0, "single/1")]
+    with pytest.raises(ValueError, match="two sizes"):
+        fit_link(one)
+
+
+def central_trace(t0: float = 100.0) -> list:
+    """A centralized raw pass: two gathers of 0.1 GB, 0.05 s unpickle, 0.2 s build, two ranks' 1 GB chunks."""
+    ev = [FlowEvent("gather", "u0", "drv", GB // 10, t0, t0 + 0.3), FlowEvent("gather", "u1", "drv", GB // 10, t0,
+                                                                                  t0 + 0.3),
+          CpuEvent("deser", "drv", t0 + 0.3, t0 + 0.35), CpuEvent("build", "drv", t0 + 0.35, t0 + 0.55)]
+    for r in range(2):
+        ev += [CpuEvent("ser", "drv", t0 + 0.55 + 0.1 * r, t0 + 0.65 + 0.1 * r, f"r{r}"),
+               FlowEvent("scatter", "drv", f"rk{r}", GB, t0 + 0.65 + 0.1 * r, t0 + 2.0, f"r{r}"),
+               CpuEvent("tail", f"rk{r}", t0 + 2.0, t0 + 2.01, f"r{r}")]
+    return ev
+
+
+def test_central_graph_is_gather_build_then_serialized_scatter():
+    link = LinkModel(1e9)
+    t = makespan(central_graph(central_trace(), 100.0), link)
+    # gather 0.2 GB into the driver: 0.2 s; cpu 0.05 + 0.2; ser r0 0.1; then r0's 1 GB alone for 0.1 s, both
+    # share the driver's egress until r0 ends (r0 0.9 GB left at 0.5 GB/s ... ): total bytes 2 GB leave one NIC
+    assert t == pytest.approx(0.2 + 0.25 + 0.1 + 2.0 + 0.01, rel=1e-6)
+
+
+def knittrans_trace(t0: float = 100.0) -> list:
+    """Two ranks, two shares each, each read from two units (50 MB each), with claim / source / deser / pack."""
+    ev = []
+    for r in range(2):
+        t = t0 - 0.5  # the prefetcher was waiting before t0: its first claim counts from t0
+        for s in range(2):
+            key = f"r{r}/s{s}"
+            ev += [CpuEvent("claim", f"rk{r}", t, t0 + 0.01 + s, key),
+                   CpuEvent("source", f"rk{r}", t0 + 0.01 + s, t0 + 0.03 + s, key),
+                   FlowEvent("read", "u0", f"rk{r}", 50 * 10**6, t0 + 0.03 + s, t0 + 0.2 + s, key),
+                   FlowEvent("read", "u1", f"rk{r}", 50 * 10**6, t0 + 0.03 + s, t0 + 0.2 + s, key),
+                   CpuEvent("deser", f"rk{r}", t0 + 0.2 + s, t0 + 0.21 + s, key),
+                   CpuEvent("pack", f"rk{r}", t0 + 0.21 + s, t0 + 0.25 + s, key)]
+            t = t0 + 0.26 + s  # 0.01 s hand-over gap before the next claim
+    return ev
+
+
+def test_knittrans_graph_chains_each_ranks_shares_and_shares_unit_links_between_ranks():
+    link = LinkModel(1e9)
+    tasks = knittrans_graph(knittrans_trace(), 100.0)
+    # per share: claim 0.01 (from t0), source 0.02, 4 flows of 50 MB: each unit serves 2 ranks and each rank reads
+    # 2 units -> 0.5 GB/s each -> 0.1 s, deser 0.01, pack 0.04; second share: gap 0.01 + claim (0.01 + 1 - 0.26)
+    first = 0.01 + 0.02 + 0.1 + 0.01 + 0.04
+    second = 0.01 + (1.01 - 0.26) + 0.02 + 0.1 + 0.01 + 0.04
+    assert makespan(tasks, link) == pytest.approx(first + second, rel=1e-6)
+    p = predict_pass("knittrans", knittrans_trace(), 100.0, measured_s=first + second, link=link)
+    assert p.rel_err == pytest.approx(0.0, abs=1e-9) and p.flow_bytes == 8 * 50 * 10**6
+
+
+def test_a_slower_link_predicts_a_slower_pass():
+    fast, slow = LinkModel(1e9), LinkModel(1e8)
+    for kind, ev in (("central", central_trace()), ("knittrans", knittrans_trace())):
+        assert (predict_pass(kind, ev, 100.0, 1.0, slow).predicted_s
+                > predict_pass(kind, ev, 100.0, 1.0, fast).predicted_s)
+    with pytest.raises(ValueError, match="unknown system kind"):
+        predict_pass("verl", central_trace(), 100.0, 1.0, fast)
