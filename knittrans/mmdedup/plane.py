@@ -142,6 +142,8 @@ class MMStorageUnit(StorageUnit):
     """A storage unit that also holds one ``EncodingStore``: images once per distinct content, refcounted by the
     trajectories that show them, released when the controller says those trajectories are consumed."""
 
+    BOUNDED_GET = False  # its get also waits on the image occurrences' lock and the encoding store
+
     def __init__(self, unit_id: str, node: str, schema: TrajectorySchema = MM_SCHEMA,
                  hash_fn: HashFn = encoding_hash_fn, dedup: bool = True) -> None:
         """``dedup`` False: the store keeps every occurrence (``EncodingStore(dedup=False)``), so gets move one
@@ -324,7 +326,7 @@ class MMClient(DataPlaneClient):
 
     def _pack(self, loc: ShareLocation, chunks: Sequence[UnitChunk]) -> PackedShare:
         if IMAGE_FIELD not in loc.fields:
-            return pack_share(loc, chunks, self.schema, self.prepare)
+            return pack_share(loc, chunks, self.schema, self.prepare, self.pack_pool())
         f = loc.fields.index(IMAGE_FIELD)
         shifted, pixels, grids, occ_bytes, offset = [], [], [], 0, 0
         for ch in chunks:
@@ -344,7 +346,7 @@ class MMClient(DataPlaneClient):
             grids += ch.grids
             occ_bytes += ch.occurrence_nbytes
             offset += len(ch.pixels)
-        share = pack_share(loc, shifted, self.schema, self.prepare)
+        share = pack_share(loc, shifted, self.schema, self.prepare, self.pack_pool())
         pix_bytes = sum(x.numel() * x.element_size() for x in pixels)
         base = {fl.name: getattr(share, fl.name) for fl in dc_fields(share)}
         base["nbytes"] = share.nbytes + pix_bytes

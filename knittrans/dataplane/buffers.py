@@ -1,0 +1,118 @@
+"""Reused pack buffers: where a rank's packed share is written, so that a share costs one copy and no page faults.
+
+Why: a share packed into freshly allocated memory pays the kernel's first-touch cost (a page fault and a zeroed page
+per 4 KiB, or per 2 MiB with transparent huge pages) on top of the copy itself; on this kind of machine that halves
+the pack's bandwidth. A rank packs shares of about the same size over and over, so it keeps a few buffers and writes
+each share into one of them.
+
+Safety (a share still in use is never overwritten): a buffer is handed out again only when nothing but the pool
+references it. Every array and tensor carved from it -- ``np.ndarray`` views (numpy points a view's ``base`` at the
+buffer) and ``torch.from_numpy`` tensors with their views (they keep the numpy array alive) -- holds a reference, so
+its CPython reference count is above the pool's own until the last of them is gone. The baseline count is measured
+on a probe buffer when the pool is built (not hard-coded), and the check and the hand-out happen under one lock.
+A pool whose buffers are all in use allocates a fresh one (never waits, never shares); it keeps at most
+``max_buffers`` (the rest are ordinary allocations, freed with their share).
+
+With a GPU (``pin=True``) buffers are page-locked (``torch.empty(..., pin_memory=True)``), so the share's
+host-to-device copy can be asynchronous without a second, pinning copy.
+
+    >>> pool = BufferPool(max_buffers=2)
+    >>> a = pool.take(1000)
+    >>> b = pool.take(1000)         # ``a`` is still referenced: another buffer
+    >>> a.base is b.base
+    False
+    >>> del a
+    >>> pool.take(800).base is b.base, pool.num_buffers
+    (False, 2)
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+
+ALIGN = 64
+"""Byte alignment of every carved field (a cache line; numpy and torch need at most 16)."""
+_GRAIN = 2 << 20  # buffer sizes are rounded up to 2 MiB (a transparent huge page), with 1/8 headroom
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class BufferPool:
+    """A few reusable byte buffers (see the module docstring). Thread-safe; pickles as an empty pool (buffers
+    never travel: a client shipped to a rank actor builds its own)."""
+
+    def __init__(self, max_buffers: int = 8, pin: bool = False) -> None:
+        if max_buffers < 0:
+            raise ValueError(f"BufferPool.max_buffers must be >= 0, got {max_buffers}")
+        self.max_buffers, self.pin = max_buffers, pin
+        self._bufs: list[np.ndarray] = []
+        self._lock = threading.Lock()
+        self._bufs.append(np.empty(1, dtype=np.uint8))
+        self._free_refs = self._refs(0)  # the count of a buffer only the pool holds, measured, not assumed
+        self._bufs.clear()
+        self.allocations = 0  # buffers allocated so far (a steady stream of equal shares stops allocating)
+
+    def __reduce__(self):  # noqa: ANN204
+        return (BufferPool, (self.max_buffers, self.pin))
+
+    def _refs(self, i: int) -> int:
+        return sys.getrefcount(self._bufs[i])
+
+    def _alloc(self, nbytes: int) -> np.ndarray:
+        self.allocations += 1
+        if self.pin:
+            import torch
+
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+        return np.empty(nbytes, dtype=np.uint8)
+
+    @property
+    def num_buffers(self) -> int:
+        return len(self._bufs)
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A writable ``uint8`` array of ``nbytes`` bytes that nothing else references (a view of a pooled buffer,
+        or a fresh allocation when every pooled one is in use). Its contents are undefined."""
+        if nbytes < 0:
+            raise ValueError(f"BufferPool.take: nbytes must be >= 0, got {nbytes}")
+        with self._lock:
+            best, spare = -1, -1
+            for i in range(len(self._bufs)):
+                if self._refs(i) != self._free_refs:
+                    continue  # a share carved from it is still alive
+                if self._bufs[i].nbytes >= nbytes and (best < 0 or self._bufs[i].nbytes < self._bufs[best].nbytes):
+                    best = i
+                elif spare < 0:
+                    spare = i
+            if best >= 0:
+                return self._bufs[best][:nbytes]
+            size = -(-(nbytes + nbytes // 8) // _GRAIN) * _GRAIN
+            if spare >= 0:  # a free buffer too small for this share: replace it rather than grow the pool
+                self._bufs[spare] = self._alloc(size)
+                return self._bufs[spare][:nbytes]
+            if len(self._bufs) < self.max_buffers:
+                self._bufs.append(self._alloc(size))
+                return self._bufs[-1][:nbytes]
+        return self._alloc(nbytes)  # every pooled buffer is in use: an ordinary allocation, freed with its share
+
+
+_POOLS: dict[bool, BufferPool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def process_pool(pin: bool, max_buffers: int) -> BufferPool:
+    """This process's pack pool (one per ``pin``), shared by every client in it: a rank's consumer is often
+    rebuilt (a new pass, a recovered rank) while the process and its share sizes stay, so the buffers outlive any
+    one client. Thread-safe; ``max_buffers`` only grows (the largest any client asked for). It holds at most
+    ``max_buffers`` buffers of about one share each, for the life of the process."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(pin)
+        if pool is None:
+            pool = _POOLS[pin] = BufferPool(max_buffers, pin)
+        pool.max_buffers = max(pool.max_buffers, max_buffers)
+        return pool
