@@ -7,7 +7,8 @@ seeded batches, trainer-rank actors, emulated compute and rollout clock (``knitt
 - ``centralized``: verl's DataProto path with train-batch admission (``baselines.centralized_system``): the driver
   waits for the whole batch, gathers, repeats prompts (and images), pads to the batch's longest, balances, scatters.
 - ``centralized-padmax`` (text): the same, padding to the configured maxima as verl's rollout ships.
-- ``transferqueue`` (text, when installed): TransferQueue's KV API (``baselines.transferqueue_system``).
+- ``transferqueue`` (when installed): TransferQueue's KV API (``baselines.transferqueue_system``; multimodal:
+  per-trajectory fields with each sample's own images, no dedup).
 - ``knittrans-ray``: ``knittrans.Handoff`` on Ray: admission in the controller as the producers' completing puts
   arrive, units, prefetching consumers in the rank actors, ack after each step (``knittrans.bench``).
 - ``knittrans-ray-noprefetch``: the same handoff, each share fetched when the rank asks (what overlap buys).
@@ -61,8 +62,9 @@ class Workload(str, Enum):
     MULTIMODAL = "multimodal"
 
 
-MM_SYSTEMS = (System.CENTRALIZED, System.KNITTRANS_RAY, System.KNITTRANS_RAY_NOPREFETCH, System.KNITTRANS_INPROC)
-"""TransferQueue's adapter moves per-trajectory fields without dedup, and padmax is the text table's variant."""
+MM_SYSTEMS = (System.CENTRALIZED, System.TRANSFERQUEUE, System.KNITTRANS_RAY, System.KNITTRANS_RAY_NOPREFETCH,
+              System.KNITTRANS_INPROC)
+"""padmax is the text table's variant. TransferQueue moves per-trajectory fields with each sample's own images."""
 
 
 @dataclass
@@ -182,7 +184,7 @@ def make_system(kind: System, cfg: TransferConfig, layout: BenchLayout, session)
         from baselines.transferqueue_system import TransferQueueSystem
         from knittrans.dataplane.types import TEXT_SCHEMA
 
-        return TransferQueueSystem(kind.value, layout, session, TEXT_SCHEMA, cfg.tq_storage_units)
+        return TransferQueueSystem(kind.value, layout, session, TEXT_SCHEMA, cfg.tq_storage_units, multimodal=mm)
     transport = Transport.INPROCESS if kind is System.KNITTRANS_INPROC else Transport.RAY
     return KnitTransSystem(kind.value, layout, transport, multimodal=mm,
                            prefetch=kind is not System.KNITTRANS_RAY_NOPREFETCH, session=session)

@@ -13,8 +13,9 @@ on a probe buffer when the pool is built (not hard-coded), and the check and the
 A pool whose buffers are all in use allocates a fresh one (never waits, never shares); it keeps at most
 ``max_buffers`` (the rest are ordinary allocations, freed with their share).
 
-With a GPU (``pin=True``) buffers are page-locked (``torch.empty(..., pin_memory=True)``), so the share's
-host-to-device copy can be asynchronous without a second, pinning copy.
+Pageable memory only. Shares a GPU will read are packed into page-locked memory from torch's caching host
+allocator instead (``pack_share``): that allocator also recycles its blocks, and it knows when an asynchronous
+host-to-device copy still reads one (it records the copy's stream), which a refcount cannot see.
 
     >>> pool = BufferPool(max_buffers=2)
     >>> a = pool.take(1000)
@@ -46,10 +47,10 @@ class BufferPool:
     """A few reusable byte buffers (see the module docstring). Thread-safe; pickles as an empty pool (buffers
     never travel: a client shipped to a rank actor builds its own)."""
 
-    def __init__(self, max_buffers: int = 8, pin: bool = False) -> None:
+    def __init__(self, max_buffers: int = 8) -> None:
         if max_buffers < 0:
             raise ValueError(f"BufferPool.max_buffers must be >= 0, got {max_buffers}")
-        self.max_buffers, self.pin = max_buffers, pin
+        self.max_buffers = max_buffers
         self._bufs: list[np.ndarray] = []
         self._lock = threading.Lock()
         self._bufs.append(np.empty(1, dtype=np.uint8))
@@ -58,17 +59,13 @@ class BufferPool:
         self.allocations = 0  # buffers allocated so far (a steady stream of equal shares stops allocating)
 
     def __reduce__(self):  # noqa: ANN204
-        return (BufferPool, (self.max_buffers, self.pin))
+        return (BufferPool, (self.max_buffers,))
 
     def _refs(self, i: int) -> int:
         return sys.getrefcount(self._bufs[i])
 
     def _alloc(self, nbytes: int) -> np.ndarray:
         self.allocations += 1
-        if self.pin:
-            import torch
-
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
         return np.empty(nbytes, dtype=np.uint8)
 
     @property
@@ -101,18 +98,17 @@ class BufferPool:
         return self._alloc(nbytes)  # every pooled buffer is in use: an ordinary allocation, freed with its share
 
 
-_POOLS: dict[bool, BufferPool] = {}
-_POOLS_LOCK = threading.Lock()
+_POOL: list[BufferPool] = []
+_POOL_LOCK = threading.Lock()
 
 
-def process_pool(pin: bool, max_buffers: int) -> BufferPool:
-    """This process's pack pool (one per ``pin``), shared by every client in it: a rank's consumer is often
-    rebuilt (a new pass, a recovered rank) while the process and its share sizes stay, so the buffers outlive any
-    one client. Thread-safe; ``max_buffers`` only grows (the largest any client asked for). It holds at most
-    ``max_buffers`` buffers of about one share each, for the life of the process."""
-    with _POOLS_LOCK:
-        pool = _POOLS.get(pin)
-        if pool is None:
-            pool = _POOLS[pin] = BufferPool(max_buffers, pin)
-        pool.max_buffers = max(pool.max_buffers, max_buffers)
-        return pool
+def process_pool(max_buffers: int) -> BufferPool:
+    """This process's pack pool, shared by every client in it: a rank's consumer is often rebuilt (a new pass, a
+    recovered rank) while the process and its share sizes stay, so the buffers outlive any one client.
+    Thread-safe; ``max_buffers`` only grows (the largest any client asked for). It holds at most ``max_buffers``
+    buffers of about one share each, for the life of the process."""
+    with _POOL_LOCK:
+        if not _POOL:
+            _POOL.append(BufferPool(max_buffers))
+        _POOL[0].max_buffers = max(_POOL[0].max_buffers, max_buffers)
+        return _POOL[0]

@@ -85,7 +85,8 @@ class PrepareConfig:
     reuse_buffers: bool = True
     """Pack each share into a buffer the rank reuses once nothing references its previous share
     (``knittrans.dataplane.buffers``): one copy per byte and no page faults per share. False: the plain twin, a
-    fresh allocation per field (same bytes; what the buffer tests compare against)."""
+    fresh allocation per field (same bytes; what the buffer tests compare against). Shares a GPU will read
+    (``pin_memory`` with CUDA) are packed into page-locked blocks of torch's caching host allocator instead."""
     pool_buffers: int = 16
     """Buffers the process keeps for reuse (``buffers.process_pool``, shared by its ranks; each about one share):
     a rank needs its prefetch depth + 2 (the share in training, the one being packed); beyond the pool a share
@@ -154,13 +155,21 @@ def pack_share(loc: ShareLocation, chunks: Sequence[UnitChunk], schema: Trajecto
         nbytes = n * int(np.prod(spec.tail, dtype=np.int64)) * dtype.itemsize
         plan.append((name, spec, rows, n, dtype, total, nbytes))
         total += aligned(nbytes)
-    buf = pool.take(total) if pool is not None else None
+    # Pinned: one page-locked block from torch's caching host allocator, each field a torch view of it (not a
+    # numpy round trip: the allocator must recognise the storage to track an async copy still reading it).
+    pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True) if pin else None
+    buf = pool.take(total) if pool is not None and pinned is None else None
     out: dict[str, PackedField] = {}
     tokens = 0
     for name, spec, rows, n, dtype, off, nbytes in plan:
         shape = (n, *spec.tail)
-        values = (buf[off:off + nbytes].view(dtype).reshape(shape) if buf is not None
-                  else np.empty(shape, dtype=dtype))
+        if pinned is not None:
+            tensor = pinned[off:off + nbytes].view(torch.from_numpy(np.empty(0, dtype)).dtype).reshape(shape)
+            values = tensor.numpy()
+        else:
+            values = (buf[off:off + nbytes].view(dtype).reshape(shape) if buf is not None
+                      else np.empty(shape, dtype=dtype))
+            tensor = torch.from_numpy(values)
         if rows:  # the one copy: every row from its chunk into the packed tensor
             if spec.ragged:
                 np.concatenate(rows, out=values)
@@ -173,11 +182,10 @@ def pack_share(loc: ShareLocation, chunks: Sequence[UnitChunk], schema: Trajecto
         cu = torch.from_numpy(cu_seqlens_int32(offs, name, loc)) if offs is not None else None
         if name == schema.token_field:
             tokens = n
-        tensor = torch.from_numpy(values)
         if name in casts:
             tensor = tensor.to(getattr(torch, casts[name]))
-        if pin and (name in casts or pool is None or not pool.pin):
-            tensor = tensor.pin_memory()  # (a pinned pool's buffers already are page-locked)
+        if pin and name in casts:
+            tensor = tensor.pin_memory()  # the cast made a new (pageable) tensor
         out[name] = PackedField(name, tensor, cu)
     return PackedShare(key=loc.key, rank=loc.rank, traj_ids=loc.traj_ids, fields=out, nbytes=loc.nbytes,
                        num_tokens=tokens, seq=loc.seq, group_ids=loc.group_ids, epoch=loc.epoch)
@@ -289,9 +297,7 @@ class DataPlaneClient:
     def pack_pool(self) -> BufferPool | None:
         """This client's reused pack buffers (None when ``prepare.reuse_buffers`` is off)."""
         if self.pool is None and self.prepare.reuse_buffers:
-            import torch
-
-            self.pool = process_pool(self.prepare.pin_memory and torch.cuda.is_available(), self.prepare.pool_buffers)
+            self.pool = process_pool(self.prepare.pool_buffers)
         return self.pool
 
     def _deliver(self, loc: ShareLocation, t0: float, ack: bool = True) -> PackedShare:

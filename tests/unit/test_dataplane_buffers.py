@@ -162,3 +162,31 @@ def test_a_plain_unit_read_on_the_rank_thread_still_has_its_deadline():
         for lock in locks:
             lock.release()
     assert c.fetch(mb, 0).traj_ids
+
+
+def test_a_share_for_the_gpu_is_packed_into_one_pinned_block_as_torch_views(monkeypatch):
+    """With CUDA, the share goes into one block from torch's caching host allocator, each field a torch view of it
+    (so the allocator tracks async copies reading it), with the same bytes as the pageable pack. No GPU here: the
+    pinned allocation is stood in for, the layout and the views are what is checked."""
+    u = StorageUnit("u0", "n0", TEXT_SCHEMA)
+    batch = make_text_batch(TextDataConfig(num_prompts=2, group_size=3, response_len_median=16, max_response_len=64,
+                                           prompt_len_mean=8, seed=4))
+    u.put([t.payload() for t in batch.trajectories])
+    ids = tuple(t.traj_id for t in batch.trajectories)
+    loc = ShareLocation(MiniBatchKey(0, 0), 0, ids, ("u0",) * len(ids), TEXT_SCHEMA.names, nbytes=0)
+    chunks = [u.get(ids, TEXT_SCHEMA.names)]
+    pageable = pack_share(loc, chunks, TEXT_SCHEMA, PrepareConfig(pin_memory=False), BufferPool(2))
+    real_empty, pinned_calls = torch.empty, []
+
+    def empty(*args, pin_memory=False, **kw):  # noqa: ANN001, ANN202
+        pinned_calls.append(pin_memory)
+        return real_empty(*args, **kw)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "empty", empty)
+    pinned = pack_share(loc, chunks, TEXT_SCHEMA, PrepareConfig(), BufferPool(2))
+    assert pinned_calls == [True]
+    storages = {f.values.untyped_storage().data_ptr() for f in pinned.fields.values()}
+    assert len(storages) == 1  # one block, every field a torch view of it
+    for name in TEXT_SCHEMA.names:
+        assert torch.equal(pinned[name], pageable[name]) and pinned[name].dtype == pageable[name].dtype
