@@ -121,9 +121,10 @@ def cu_seqlens_int32(offs: np.ndarray, name: str, loc: ShareLocation) -> np.ndar
     return offs.astype(np.int32)
 
 
-def _share_rows(loc: ShareLocation, chunks: Sequence[UnitChunk], name: str) -> list[np.ndarray]:
-    """Field ``name`` of every trajectory of the share, in the share's order (views of the chunks, no copy)."""
-    order = {t: i for i, t in enumerate(loc.traj_ids)}
+def _share_rows(loc: ShareLocation, chunks: Sequence[UnitChunk], name: str,
+                order: Mapping[int, int]) -> list[np.ndarray]:
+    """Field ``name`` of every trajectory of the share, in the share's order (``order``: trajectory -> position;
+    views of the chunks, no copy)."""
     rows: list[np.ndarray | None] = [None] * len(loc.traj_ids)
     for ch in chunks:
         for t, a in zip(ch.traj_ids, ch.rows(ch.fields.index(name))):
@@ -145,15 +146,17 @@ def pack_share(loc: ShareLocation, chunks: Sequence[UnitChunk], schema: Trajecto
 
     casts = dict(prepare.casts)
     pin = prepare.pin_memory and torch.cuda.is_available()
-    plan = []  # (name, spec, rows, total rows, row shape, dtype, byte offset)
+    plan = []  # (name, spec, rows, row counts (ragged), total rows, dtype, byte offset, bytes)
     total = 0
+    order = {t: i for i, t in enumerate(loc.traj_ids)}
     for name in loc.fields:
         spec = schema.get(name)
-        rows = _share_rows(loc, chunks, name)
+        rows = _share_rows(loc, chunks, name, order)
         dtype = rows[0].dtype if rows else np.dtype(spec.dtype)
-        n = sum(a.shape[0] for a in rows) if spec.ragged else len(rows)
+        lens = [a.shape[0] for a in rows] if spec.ragged else None
+        n = sum(lens) if lens is not None else len(rows)
         nbytes = n * int(np.prod(spec.tail, dtype=np.int64)) * dtype.itemsize
-        plan.append((name, spec, rows, n, dtype, total, nbytes))
+        plan.append((name, spec, rows, lens, n, dtype, total, nbytes))
         total += aligned(nbytes)
     # Pinned: one page-locked block from torch's caching host allocator, each field a torch view of it (not a
     # numpy round trip: the allocator must recognise the storage to track an async copy still reading it).
@@ -161,7 +164,7 @@ def pack_share(loc: ShareLocation, chunks: Sequence[UnitChunk], schema: Trajecto
     buf = pool.take(total) if pool is not None and pinned is None else None
     out: dict[str, PackedField] = {}
     tokens = 0
-    for name, spec, rows, n, dtype, off, nbytes in plan:
+    for name, spec, rows, lens, n, dtype, off, nbytes in plan:
         shape = (n, *spec.tail)
         if pinned is not None:
             tensor = pinned[off:off + nbytes].view(torch.from_numpy(np.empty(0, dtype)).dtype).reshape(shape)
@@ -175,11 +178,11 @@ def pack_share(loc: ShareLocation, chunks: Sequence[UnitChunk], schema: Trajecto
                 np.concatenate(rows, out=values)
             else:
                 np.stack(rows, out=values)
-        offs = None
-        if spec.ragged:
-            offs = np.zeros(len(rows) + 1, dtype=np.int64)
-            np.cumsum(np.fromiter((a.shape[0] for a in rows), dtype=np.int64, count=len(rows)), out=offs[1:])
-        cu = torch.from_numpy(cu_seqlens_int32(offs, name, loc)) if offs is not None else None
+        cu = None
+        if lens is not None:
+            offs = np.zeros(len(lens) + 1, dtype=np.int64)
+            np.cumsum(lens, out=offs[1:])
+            cu = torch.from_numpy(cu_seqlens_int32(offs, name, loc))
         if name == schema.token_field:
             tokens = n
         if name in casts:
