@@ -70,7 +70,8 @@ def verify_checksums(traj_id: int, arrays: Mapping[str, np.ndarray], sums: Mappi
 
 
 def verify_chunks(loc: ShareLocation, chunks: Sequence[UnitChunk], ragged: Mapping[str, bool]) -> None:
-    """Check every trajectory's slice of every field in the units' chunks against the claim's checksums."""
+    """Check every trajectory's row of every field in the units' chunks (either ``UnitChunk`` form) against the
+    claim's checksums. ``ragged`` is no longer needed (a chunk knows its rows); kept for callers."""
     if not loc.checksums:
         return
     want = {(name, t): s for name, col in zip(loc.fields, loc.checksums) for t, s in zip(loc.traj_ids, col)}
