@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from typing import Sequence
 
 import numpy as np
 
@@ -112,3 +113,41 @@ def process_pool(max_buffers: int) -> BufferPool:
             _POOL.append(BufferPool(max_buffers))
         _POOL[0].max_buffers = max(_POOL[0].max_buffers, max_buffers)
         return _POOL[0]
+
+
+def _libc_memcpy():  # noqa: ANN202 - a ctypes function, or None where the process exposes no memcpy
+    import ctypes
+
+    try:
+        fn = ctypes.PyDLL(None).memcpy  # PyDLL: the call keeps the GIL (a CDLL call would release it)
+    except (AttributeError, OSError, TypeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p
+    return fn
+
+
+_MEMCPY = _libc_memcpy()
+
+
+def copy_rows(rows: Sequence[np.ndarray], out: np.ndarray, ragged: bool) -> None:
+    """Write ``rows`` back to back into ``out`` (ragged: concatenated along the first axis; fixed: stacked), the
+    GIL held throughout. Hand-written because ``np.concatenate`` releases the GIL around every row's copy (any row
+    past 500 elements) and re-acquires it after: beside threads running Python (a trainer's step, producers' puts
+    in process) each re-acquisition waits out a switch interval (5 ms), and 256 rows took 0.83 s instead of 1.7 ms
+    with two busy threads (0.008 s this way). One libc ``memcpy`` per row through ctypes' ``PyDLL`` (~2 us of call
+    overhead each); any row that is not C-contiguous, of another dtype or shape, or a size mismatch, falls back to
+    numpy for the whole field (which raises the shape error, if any)."""
+    tail = out.shape[1:]
+    fast = (_MEMCPY is not None and out.flags.c_contiguous and out.flags.writeable
+            and all(r.dtype == out.dtype and r.flags.c_contiguous and (r.shape[1:] if ragged else r.shape) == tail
+                    for r in rows)
+            and sum(r.nbytes for r in rows) == out.nbytes)
+    if not fast:
+        (np.concatenate if ragged else np.stack)(rows, out=out)  # type: ignore[operator]
+        return
+    base, off = out.ctypes.data, 0
+    for r in rows:
+        n = r.nbytes
+        if n:
+            _MEMCPY(base + off, r.ctypes.data, n)
+        off += n

@@ -30,7 +30,7 @@ from typing import Mapping, Protocol, Sequence
 
 import numpy as np
 
-from knittrans.dataplane.buffers import BufferPool, aligned, process_pool
+from knittrans.dataplane.buffers import BufferPool, aligned, copy_rows, process_pool
 from knittrans.dataplane.types import (AdmittedMiniBatch, DataPlaneError, MiniBatchKey, PackedField,
                                        PackedShare, PutRecord, SchemaMismatchError, ShareLocation, ShareTooLargeError,
                                        TrajectoryPayload, TrajectorySchema, UnitChunk, UnitLostError)
@@ -173,11 +173,8 @@ def pack_share(loc: ShareLocation, chunks: Sequence[UnitChunk], schema: Trajecto
             values = (buf[off:off + nbytes].view(dtype).reshape(shape) if buf is not None
                       else np.empty(shape, dtype=dtype))
             tensor = torch.from_numpy(values)
-        if rows:  # the one copy: every row from its chunk into the packed tensor
-            if spec.ragged:
-                np.concatenate(rows, out=values)
-            else:
-                np.stack(rows, out=values)
+        if rows:  # the one copy: every row from its chunk into the packed tensor (GIL held: ``copy_rows``)
+            copy_rows(rows, values, spec.ragged)
         cu = None
         if lens is not None:
             offs = np.zeros(len(lens) + 1, dtype=np.int64)

@@ -20,7 +20,7 @@ from typing import ClassVar, Sequence
 
 import numpy as np
 
-from knittrans.dataplane.buffers import BufferPool, aligned
+from knittrans.dataplane.buffers import BufferPool, aligned, copy_rows
 from knittrans.dataplane.types import (DuplicatePutError, FieldMeta, FieldNotProducedError, PutRecord,
                                        ReadTimeoutError, SchemaMismatchError, TrajectoryPayload, TrajectorySchema,
                                        UnitChunk, as_numpy)
@@ -95,7 +95,7 @@ def packed_chunk(chunk: UnitChunk, pool: BufferPool | None = None) -> UnitChunk:
         shape = (sum(a.shape[0] for a in r), *r[0].shape[1:]) if ragged else (len(r), *r[0].shape)
         out = (buf[off:off + sizes[f]].view(r[0].dtype).reshape(shape) if buf is not None
                else np.empty(shape, dtype=r[0].dtype))
-        (np.concatenate if ragged else np.stack)(r, out=out)
+        copy_rows(r, out, ragged)
         values[f] = out
         off += aligned(sizes[f])
     return replace(chunk, values=tuple(values))

@@ -190,3 +190,23 @@ def test_a_share_for_the_gpu_is_packed_into_one_pinned_block_as_torch_views(monk
     assert len(storages) == 1  # one block, every field a torch view of it
     for name in TEXT_SCHEMA.names:
         assert torch.equal(pinned[name], pageable[name]) and pinned[name].dtype == pageable[name].dtype
+
+
+def test_copy_rows_writes_what_numpy_would_and_never_past_its_output():
+    from knittrans.dataplane.buffers import copy_rows
+
+    rng = np.random.default_rng(3)
+    rows = [rng.random((n, 3)).astype(np.float32) for n in (4, 0, 7, 1)]
+    out = np.empty((12, 3), np.float32)
+    copy_rows(rows, out, ragged=True)
+    np.testing.assert_array_equal(out, np.concatenate(rows))
+    fixed = [rng.integers(0, 9, 5) for _ in range(3)]
+    out2 = np.empty((3, 5), np.int64)
+    copy_rows(fixed, out2, ragged=False)
+    np.testing.assert_array_equal(out2, np.stack(fixed))
+    odd = [rows[0][::2], rows[2].astype(np.float64)]  # not contiguous; another dtype: numpy's path, same result
+    out3 = np.empty((9, 3), np.float32)
+    copy_rows(odd, out3, ragged=True)
+    np.testing.assert_array_equal(out3, np.concatenate(odd).astype(np.float32))
+    with pytest.raises(ValueError):  # one row too many: numpy's shape error, never a write past the buffer
+        copy_rows(rows, np.empty((11, 3), np.float32), ragged=True)
