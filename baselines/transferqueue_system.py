@@ -4,6 +4,11 @@ Every trajectory is written before t0 with one ``kv_batch_put`` per batch (as ev
 streams); each rank gets its share of mini-batch k with one ``kv_batch_get`` when it needs it -- TransferQueue's KV
 API has no prefetcher -- on the same balanced rows the centralized baseline trains on. In a steady pass a rank
 fetches batch b only once the driver signals it complete (t0[b]).
+
+Multimodal (``multimodal=True``): as a TransferQueue user stores a VLM sample -- per trajectory, its token fields
+plus ``pixel_values`` (its images' patches back to back, ``[patches, patch_dim]``) and ``image_grid_thw`` (one
+``(t, h, w)`` row per image). TransferQueue has no content dedup, so every sample of a group carries (and every get
+moves) its own copy of the prompt's images.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import ray
 
 from baselines import transferqueue_adapter as tqa
@@ -19,7 +25,7 @@ from baselines.centralized import balance_plan
 from knittrans.bench.loop import complete_key, completion_times, finish_raw, finish_steady
 from knittrans.bench.ray_ranks import RankRun, RaySession, actor_wait
 from knittrans.bench.types import BenchLayout, Obtained, PassData, PassResult
-from knittrans.dataplane.types import TrajectorySchema
+from knittrans.dataplane.types import FieldSpec, TrajectoryPayload, TrajectorySchema
 
 _ATTACHED = False  # per process: a rank actor connects to the running TransferQueue once
 
@@ -46,7 +52,8 @@ class TQSource:
         if k == 0 and self.signals is not None:
             ray.get(self.signals.wait.remote(complete_key(self.tag, b), 600))
         s = tqa.get(self.shares[b][k], self.schema.names, self.schema, self.partitions[b])
-        return Obtained(s.nbytes, s.tokens, s.get_s)
+        px = s.values.get(PIXELS)
+        return Obtained(s.nbytes, s.tokens, s.get_s, 0 if px is None else int(px.nbytes))
 
     def release(self, step: int) -> None:
         pass
@@ -55,14 +62,44 @@ class TQSource:
         pass
 
 
+PIXELS, GRIDS = "pixel_values", "image_grid_thw"
+
+
+def mm_schema(base: TrajectorySchema, d: PassData) -> TrajectorySchema:
+    """``base``'s fields plus the per-trajectory images (see the module docstring), shaped like ``d``'s."""
+    img = next(iter(d.images.values()))[0]
+    return TrajectorySchema((*base.fields, FieldSpec(PIXELS, str(img.dtype), tail=tuple(img.shape[1:])),
+                             FieldSpec(GRIDS, "int64", tail=(3,))), base.token_field, base.same_length)
+
+
+def tq_payloads(d: PassData, multimodal: bool) -> list[TrajectoryPayload]:
+    """What a TransferQueue user puts per trajectory: its token fields (and, multimodal, its own image copies)."""
+    if not multimodal:
+        return d.payloads()
+    out = []
+    for r in d.rollouts:
+        imgs = [np.asarray(im) for im in r.images]
+        px = np.concatenate(imgs) if imgs else np.zeros((0, *d.images[d.prompt_of[r.traj.traj_id]][0].shape[1:]),
+                                                        dtype=np.float32)
+        grids = np.asarray([tuple(g) for g in r.grids], dtype=np.int64).reshape(-1, 3)
+        out.append(TrajectoryPayload(r.traj.traj_id, {**r.tensors, PIXELS: px, GRIDS: grids}))
+    return out
+
+
 class TransferQueueSystem:
     """TransferQueue's KV API on the session's rank actors (see the module docstring). Start it only when
     ``tqa.transferqueue_available()``; Ray needs ``tqa.required_ray_cpus`` free logical CPUs."""
 
     def __init__(self, name: str, layout: BenchLayout, session: RaySession, schema: TrajectorySchema,
-                 num_storage_units: int = 2) -> None:
-        self.name, self.layout, self.session, self.schema = name, layout, session, schema
+                 num_storage_units: int = 2, multimodal: bool = False) -> None:
+        self.name, self.layout, self.session, self.base, self.multimodal = name, layout, session, schema, multimodal
+        self.schema = schema  # multimodal: extended with the images on the first batch (their shape)
         tqa.start(tqa.TQConfig(num_storage_units=num_storage_units))
+
+    def _put(self, d: PassData, part: str) -> None:
+        if self.multimodal and self.schema is self.base:
+            self.schema = mm_schema(self.base, d)
+        tqa.put(tq_payloads(d, self.multimodal), self.schema, part)
 
     def _shares(self, d: PassData) -> list[list[tuple[int, ...]]]:
         """Per rank, per mini-batch: the balanced rows of the centralized baseline."""
@@ -73,7 +110,7 @@ class TransferQueueSystem:
 
     def run_raw(self, batch: PassData) -> PassResult:
         part = f"pass{batch.batch_id}"
-        tqa.put(batch.payloads(), self.schema, part)
+        self._put(batch, part)
         shares = self._shares(batch)
         t0 = time.perf_counter()
         m = batch.num_minibatches
@@ -85,7 +122,7 @@ class TransferQueueSystem:
     def run_steady(self, batches: Sequence[PassData], iters_per_token: float) -> PassResult:
         parts = [f"pass{d.batch_id}" for d in batches]
         for d, part in zip(batches, parts):
-            tqa.put(d.payloads(), self.schema, part)
+            self._put(d, part)
         shares = [self._shares(d) for d in batches]  # [batch][rank][k]
         n, m, tag, s = len(batches), batches[0].num_minibatches, batches[0].batch_id, self.session
         self.layout.check(n, m)

@@ -10,7 +10,8 @@ seeded batches, trainer-rank actors, emulated compute and rollout clock (``knitt
 - ``verl-mm`` (multimodal): verl's own multimodal step (``baselines.verl_mm``): per-sample ``multi_modal_inputs``
   dicts of torch tensors in a DataProto, gathered to the driver, then shipped to the ranks for each of verl's three
   dispatches per step (old log-prob, reference log-prob, update).
-- ``transferqueue`` (text, when installed): TransferQueue's KV API (``baselines.transferqueue_system``).
+- ``transferqueue`` (when installed): TransferQueue's KV API (``baselines.transferqueue_system``; multimodal:
+  per-trajectory fields with each sample's own images, no dedup).
 - ``knittrans-ray``: ``knittrans.Handoff`` on Ray: admission in the controller as the producers' completing puts
   arrive, units, prefetching consumers in the rank actors, ack after each step (``knittrans.bench``).
 - ``knittrans-ray-noprefetch``: the same handoff, each share fetched when the rank asks (what overlap buys).
@@ -66,9 +67,9 @@ class Workload(str, Enum):
     MULTIMODAL = "multimodal"
 
 
-MM_SYSTEMS = (System.CENTRALIZED, System.VERL_MM, System.KNITTRANS_RAY, System.KNITTRANS_RAY_NOPREFETCH,
-              System.KNITTRANS_INPROC)
-"""TransferQueue's adapter moves per-trajectory fields without dedup, and padmax is the text table's variant."""
+MM_SYSTEMS = (System.CENTRALIZED, System.VERL_MM, System.TRANSFERQUEUE, System.KNITTRANS_RAY,
+              System.KNITTRANS_RAY_NOPREFETCH, System.KNITTRANS_INPROC)
+"""padmax is the text table's variant. TransferQueue moves per-trajectory fields with each sample's own images."""
 TEXT_SYSTEMS = tuple(s for s in System if s is not System.VERL_MM)
 """verl-mm moves multimodal inputs (its text twin is ``centralized``)."""
 
@@ -192,7 +193,7 @@ def make_system(kind: System, cfg: TransferConfig, layout: BenchLayout, session)
         from baselines.transferqueue_system import TransferQueueSystem
         from knittrans.dataplane.types import TEXT_SCHEMA
 
-        return TransferQueueSystem(kind.value, layout, session, TEXT_SCHEMA, cfg.tq_storage_units)
+        return TransferQueueSystem(kind.value, layout, session, TEXT_SCHEMA, cfg.tq_storage_units, multimodal=mm)
     transport = Transport.INPROCESS if kind is System.KNITTRANS_INPROC else Transport.RAY
     return KnitTransSystem(kind.value, layout, transport, multimodal=mm,
                            prefetch=kind is not System.KNITTRANS_RAY_NOPREFETCH, session=session)
@@ -211,10 +212,11 @@ def trial_row(cfg: TransferConfig, rec: PassRecord, memcpy: float, distinct_pixe
                   measured_batches=len(st.exposed) if st is not None else 0,
                   live_bytes_after=max((r.live_bytes_after for r in (st, raw) if r is not None
                                         and r.live_bytes_after is not None), default=None))
+    get_gbps = raw.get_gbps if raw is not None and np.isfinite(raw.get_gbps) else None
     if Workload(cfg.workload) is Workload.MULTIMODAL:
         return MMTransferTrial(**common, group_size=cfg.multimodal.group_size, pixel_bytes=last.pixel_nbytes,
-                               distinct_pixel_bytes=distinct_pixel_bytes)
-    return TextTransferTrial(**common)
+                               distinct_pixel_bytes=distinct_pixel_bytes, get_gbps=get_gbps)
+    return TextTransferTrial(**common, get_gbps=get_gbps)
 
 
 def measure(cfg: TransferConfig, progress: bool = True) -> tuple[list[TransferTrialBase], dict]:
@@ -279,8 +281,9 @@ def summary_rows(rows: Sequence[TransferTrialBase]) -> list[dict]:
         row = {"system": system, "passes": len(mine), "exposed_per_batch_s": med([r.exposed_s for r in mine]),
                "exposed_mb0_s": med([r.exposed_mb0_s for r in mine]), "raw_transfer_s": med([r.raw_s for r in mine]),
                "get_latency_s": med([r.get_s for r in mine]), "bytes_moved": mine[0].bytes_moved,
-               "gbps": med([r.gbps for r in mine])}
-        row["memcpy_fraction"] = row["gbps"] / mine[0].memcpy_gbps if row["gbps"] is not None else None
+               "gbps": med([r.gbps for r in mine]), "get_gbps": med([r.get_gbps for r in mine])}
+        for k in ("gbps", "get_gbps"):
+            row[f"{k.removesuffix('gbps')}memcpy_fraction"] = row[k] / mine[0].memcpy_gbps if row[k] else None
         if isinstance(mine[0], MMTransferTrial):
             row["pixel_bytes"] = mine[0].pixel_bytes
         out.append(row)
@@ -343,18 +346,18 @@ def plot(results: Results, rows: Sequence[TransferTrialBase]) -> None:
 
 
 def gate_trials(table: str, passes: int = 3) -> list[TransferTrialBase]:
-    """CI size (~a minute on 2 cores): the headline pair only, 3 interleaved passes of 3 batches (two measured),
-    batch b+1 completing two steps before batch b ends (``lead_steps=2``: a window that a prefetcher on a loaded
-    2-core runner still makes, and a handoff without one never does). Text: 32 x 16 trajectories, steady passes
-    only (its gated claim). Multimodal: 16 prompts x n=16 with one 224px image each (19 MB distinct, 0.3 GB with
-    one copy per sample: pixel bytes dominate, as at scale, so the raw ratio reflects dedup more than round trips),
-    M=2, steady passes and 3 raw passes per pass (their median). ``passes``: K (injected-regression tests run
-    fewer)."""
+    """CI size (~a minute on 2 cores): the headline pair, 3 interleaved passes of 3 batches (two measured), batch
+    b+1 completing two steps before batch b ends (``lead_steps=2``: a window that a prefetcher on a loaded 2-core
+    runner still makes, and a handoff without one never does). Text: 32 x 16 trajectories, with in-process
+    KnitTrans beside the pair and a raw pass per system (the get-bandwidth claims). Multimodal: 16 prompts x n=16
+    with one 224px image each (19 MB distinct, 0.3 GB with one copy per sample: pixel bytes dominate, as at scale,
+    so the raw ratio reflects dedup more than round trips), M=2, steady passes and 3 raw passes per pass (their
+    median). ``passes``: K (injected-regression tests run fewer)."""
     pair = [System.CENTRALIZED.value, System.KNITTRANS_RAY.value]
-    if table == "transfer-text":
-        cfg = TransferConfig(workload="text", text=TextWorkload(prompts_per_batch=32), systems=pair, num_batches=3,
-                             lead_steps=2, passes=passes, compute_s_per_minibatch=0.25, raw_pass=False,
-                             logger="none")
+    if table == "transfer-text":  # + in-process KnitTrans and raw passes: the get-bandwidth gates
+        cfg = TransferConfig(workload="text", text=TextWorkload(prompts_per_batch=32), num_batches=3,
+                             systems=[*pair, System.KNITTRANS_INPROC.value], lead_steps=2, passes=passes,
+                             compute_s_per_minibatch=0.25, logger="none")
     elif table == "transfer-multimodal":
         cfg = TransferConfig(workload="multimodal", systems=pair, num_batches=3, num_minibatches=2, lead_steps=2,
                              raw_repeats=3, passes=passes,

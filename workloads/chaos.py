@@ -171,7 +171,7 @@ def run_chaos(transport: str, build: Callable, restart_unit: Callable, cfg: Chao
         for u in units:
             for _ in range(3):
                 try:
-                    got = client.units[u].get((t,), ("input_ids",)).values[0]
+                    got = client.units[u].get((t,), ("input_ids",)).rows(0)[0]
                 except Exception:  # noqa: BLE001 - not on this unit (or the unit is lost): try the next
                     break
                 if np.array_equal(got, expected(t)["input_ids"]):

@@ -100,6 +100,7 @@ def finish_raw(traces: Sequence[RankTrace], t0: float, bytes_moved: int | None =
     got, pixels = _last_batch_bytes(traces)
     return PassResult(PassKind.RAW, raw_s=max(m.t_got for tr in traces for m in tr.timings) - t0,
                       get_s=tuple(m.fetch_s for tr in traces for m in tr.timings),
+                      get_nbytes=tuple(m.nbytes for tr in traces for m in tr.timings),
                       bytes_moved=got if bytes_moved is None else bytes_moved, pixel_nbytes=pixels,
                       live_bytes_after=live_bytes_after)
 
@@ -124,6 +125,7 @@ def median_raw(results: Sequence[PassResult]) -> PassResult:
     med = statistics.median(r.raw_s for r in results)
     nearest = min(results, key=lambda r: abs(r.raw_s - med))  # its trace (if recorded) stands for the median
     return PassResult(PassKind.RAW, raw_s=med,
-                      get_s=tuple(g for r in results for g in r.get_s), bytes_moved=results[-1].bytes_moved,
+                      get_s=tuple(g for r in results for g in r.get_s),
+                      get_nbytes=tuple(b for r in results for b in r.get_nbytes), bytes_moved=results[-1].bytes_moved,
                       pixel_nbytes=results[-1].pixel_nbytes, live_bytes_after=max(lives) if lives else None,
                       trace=nearest.trace, t0=nearest.t0)

@@ -200,6 +200,8 @@ class PassResult:
     exposed: tuple[tuple[float, ...], ...] = ()
     raw_s: float = math.nan
     get_s: tuple[float, ...] = ()
+    get_nbytes: tuple[int, ...] = ()
+    """Raw pass: the payload bytes of each get in ``get_s`` (same order); () where not recorded."""
     bytes_moved: int = 0
     pixel_nbytes: int = 0
     """Multimodal: pixel_values bytes delivered to the ranks per batch (KnitTrans: each distinct image once per
@@ -226,6 +228,16 @@ class PassResult:
     @property
     def mean_get_s(self) -> float:
         return sum(self.get_s) / len(self.get_s) if self.get_s else math.nan
+
+    @property
+    def get_gbps(self) -> float:
+        """Get bandwidth of one rank's stream, GB/s (1e9 B/s): the bytes its gets delivered over the time they
+        took (claim + read + pack, summed; the ranks' streams run side by side, so this is what one rank sees, the
+        quantity single-thread memcpy bounds). NaN unless every get was timed (a share handed over as a call
+        argument has no get: centralized ranks)."""
+        if not self.get_s or len(self.get_nbytes) != len(self.get_s) or min(self.get_s) <= 0:
+            return math.nan
+        return sum(self.get_nbytes) / sum(self.get_s) / 1e9
 
 
 class TransferSystem(Protocol):

@@ -32,6 +32,7 @@ from typing import Mapping, Protocol, Sequence
 import numpy as np
 
 from knittrans.dataplane import trace
+from knittrans.dataplane.buffers import BufferPool, aligned, copy_rows, process_pool
 from knittrans.dataplane.types import (AdmittedMiniBatch, DataPlaneError, MiniBatchKey, PackedField,
                                        PackedShare, PutRecord, SchemaMismatchError, ShareLocation, ShareTooLargeError,
                                        TrajectoryPayload, TrajectorySchema, UnitChunk, UnitLostError)
@@ -85,15 +86,26 @@ class PrepareConfig:
     """(field, torch dtype name) pairs to cast on the consumer, e.g. (("advantages", "bfloat16"),)."""
     pin_memory: bool = True
     """Pin packed tensors when CUDA is available (ignored without a GPU), so the host-to-device copy is async."""
+    reuse_buffers: bool = True
+    """Pack each share into a buffer the rank reuses once nothing references its previous share
+    (``knittrans.dataplane.buffers``): one copy per byte and no page faults per share. False: the plain twin, a
+    fresh allocation per field (same bytes; what the buffer tests compare against). Shares a GPU will read
+    (``pin_memory`` with CUDA) are packed into page-locked blocks of torch's caching host allocator instead."""
+    pool_buffers: int = 16
+    """Buffers the process keeps for reuse (``buffers.process_pool``, shared by its ranks; each about one share):
+    a rank needs its prefetch depth + 2 (the share in training, the one being packed); beyond the pool a share
+    gets an ordinary allocation."""
 
 
 @dataclass(frozen=True)
 class FetchTiming:
-    """Where the time of one fetch went (seconds): metadata claim, unit reads, packing."""
+    """Where the time of one fetch went (seconds): metadata claim, unit reads, packing; and, apart from them, the
+    wait for the mini-batch's admission inside ``fetch_next`` (``ShareLocation.waited_s``: not fetch work)."""
 
     claim_s: float
     read_s: float
     pack_s: float
+    wait_s: float = 0.0
 
 
 _INT32_MAX = 2**31 - 1
@@ -113,48 +125,71 @@ def cu_seqlens_int32(offs: np.ndarray, name: str, loc: ShareLocation) -> np.ndar
     return offs.astype(np.int32)
 
 
+def _share_rows(loc: ShareLocation, chunks: Sequence[UnitChunk], name: str,
+                order: Mapping[int, int]) -> list[np.ndarray]:
+    """Field ``name`` of every trajectory of the share, in the share's order (``order``: trajectory -> position;
+    views of the chunks, no copy)."""
+    rows: list[np.ndarray | None] = [None] * len(loc.traj_ids)
+    for ch in chunks:
+        for t, a in zip(ch.traj_ids, ch.rows(ch.fields.index(name))):
+            rows[order[t]] = a
+    missing = [t for t, a in zip(loc.traj_ids, rows) if a is None]
+    if missing:
+        raise DataPlaneError(f"share {loc.key} rank {loc.rank}: no unit returned field {name!r} of trajectories "
+                             f"{missing[:8]}")
+    return rows  # type: ignore[return-value]
+
+
 def pack_share(loc: ShareLocation, chunks: Sequence[UnitChunk], schema: TrajectorySchema,
-               prepare: PrepareConfig = PrepareConfig()) -> PackedShare:
-    """Assemble the units' packed chunks into one tensor per field, in the share's trajectory order. A share
-    served by one unit (the local case) is used as delivered -- no copy unless it is read-only (an object-store
-    view); a share spread over several units costs one concatenation."""
+               prepare: PrepareConfig = PrepareConfig(), pool: BufferPool | None = None) -> PackedShare:
+    """Assemble the units' chunks into one tensor per field, in the share's trajectory order: every row is copied
+    once, straight from the chunk (the unit's stored copy in process, an object-store view on Ray) into the packed
+    tensor. ``pool``: write the share into a reused buffer (``knittrans.dataplane.buffers``; the buffer is
+    reused only once nothing references this share any more); None: a fresh allocation per field."""
     import torch  # here, not at module top: producer, unit and controller processes never pay torch's import
 
     casts = dict(prepare.casts)
     pin = prepare.pin_memory and torch.cuda.is_available()
+    plan = []  # (name, spec, rows, row counts (ragged), total rows, dtype, byte offset, bytes)
+    total = 0
     order = {t: i for i, t in enumerate(loc.traj_ids)}
-    out: dict[str, PackedField] = {}
-    tokens = 0
     for name in loc.fields:
         spec = schema.get(name)
-        parts = []  # (chunk values, per-trajectory row offsets) per chunk
-        for ch in chunks:
-            f = ch.fields.index(name)
-            lens = ch.lengths[f] if spec.ragged else np.ones(len(ch.traj_ids), dtype=np.int64)
-            offs = np.zeros(len(ch.traj_ids) + 1, dtype=np.int64)
-            np.cumsum(lens, out=offs[1:])
-            parts.append((ch, ch.values[f], offs))
-        if len(parts) == 1 and parts[0][0].traj_ids == loc.traj_ids:
-            values, offs = parts[0][1], parts[0][2]
-            if not values.flags.writeable:
-                values = values.copy()
+        rows = _share_rows(loc, chunks, name, order)
+        dtype = rows[0].dtype if rows else np.dtype(spec.dtype)
+        lens = [a.shape[0] for a in rows] if spec.ragged else None
+        n = sum(lens) if lens is not None else len(rows)
+        nbytes = n * int(np.prod(spec.tail, dtype=np.int64)) * dtype.itemsize
+        plan.append((name, spec, rows, lens, n, dtype, total, nbytes))
+        total += aligned(nbytes)
+    # Pinned: one page-locked block from torch's caching host allocator, each field a torch view of it (not a
+    # numpy round trip: the allocator must recognise the storage to track an async copy still reading it).
+    pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True) if pin else None
+    buf = pool.take(total) if pool is not None and pinned is None else None
+    out: dict[str, PackedField] = {}
+    tokens = 0
+    for name, spec, rows, lens, n, dtype, off, nbytes in plan:
+        shape = (n, *spec.tail)
+        if pinned is not None:
+            tensor = pinned[off:off + nbytes].view(torch.from_numpy(np.empty(0, dtype)).dtype).reshape(shape)
+            values = tensor.numpy()
         else:
-            pieces: list[tuple[int, np.ndarray]] = []
-            for ch, vals, offs_c in parts:
-                pieces += [(order[t], vals[offs_c[i]:offs_c[i + 1]]) for i, t in enumerate(ch.traj_ids)]
-            pieces.sort(key=lambda x: x[0])
-            cols = [p for _, p in pieces]
-            values = np.concatenate(cols) if cols else np.zeros((0, *spec.tail), dtype=spec.dtype)
-            offs = np.zeros(len(cols) + 1, dtype=np.int64)
-            np.cumsum([c.shape[0] for c in cols], out=offs[1:])
-        cu = torch.from_numpy(cu_seqlens_int32(offs, name, loc)) if spec.ragged else None
+            values = (buf[off:off + nbytes].view(dtype).reshape(shape) if buf is not None
+                      else np.empty(shape, dtype=dtype))
+            tensor = torch.from_numpy(values)
+        if rows:  # the one copy: every row from its chunk into the packed tensor (GIL held: ``copy_rows``)
+            copy_rows(rows, values, spec.ragged)
+        cu = None
+        if lens is not None:
+            offs = np.zeros(len(lens) + 1, dtype=np.int64)
+            np.cumsum(lens, out=offs[1:])
+            cu = torch.from_numpy(cu_seqlens_int32(offs, name, loc))
         if name == schema.token_field:
-            tokens = int(values.shape[0])
-        tensor = torch.from_numpy(values)
+            tokens = n
         if name in casts:
             tensor = tensor.to(getattr(torch, casts[name]))
-        if pin:
-            tensor = tensor.pin_memory()
+        if pin and name in casts:
+            tensor = tensor.pin_memory()  # the cast made a new (pageable) tensor
         out[name] = PackedField(name, tensor, cu)
     return PackedShare(key=loc.key, rank=loc.rank, traj_ids=loc.traj_ids, fields=out, nbytes=loc.nbytes,
                        num_tokens=tokens, seq=loc.seq, group_ids=loc.group_ids, epoch=loc.epoch)
@@ -171,6 +206,9 @@ class DataPlaneClient:
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     getter: UnitGetter | None = None  # None: read units one after another (fine in-process)
     last_timing: FetchTiming | None = None
+    pool: BufferPool | None = field(default=None, init=False, repr=False)
+    """Where shares are packed (``PrepareConfig.reuse_buffers``): the fetching process's pool, looked up on first
+    use (it pickles empty)."""
     checksums: bool = False
     """Attach a CRC-32 per field to every put and verify every fetched field against it (``faults``): a corrupted
     message raises ``CorruptPayloadError`` instead of reaching training. Costs one pass over the bytes per side."""
@@ -258,7 +296,13 @@ class DataPlaneClient:
 
     def _pack(self, loc: ShareLocation, chunks: Sequence[UnitChunk]) -> PackedShare:
         """Turn the units' chunks into the rank's share (``knittrans.mmdedup.plane.MMClient`` adds images)."""
-        return pack_share(loc, chunks, self.schema, self.prepare)
+        return pack_share(loc, chunks, self.schema, self.prepare, self.pack_pool())
+
+    def pack_pool(self) -> BufferPool | None:
+        """This client's reused pack buffers (None when ``prepare.reuse_buffers`` is off)."""
+        if self.pool is None and self.prepare.reuse_buffers:
+            self.pool = process_pool(self.prepare.pool_buffers)
+        return self.pool
 
     def _deliver(self, loc: ShareLocation, t0: float, ack: bool = True) -> PackedShare:
         """Read a claimed share from its units, verify and pack it, ack it (after which fully consumed
@@ -279,7 +323,8 @@ class DataPlaneClient:
             self.controller.unclaim(loc.key, loc.rank, loc.fields)
             raise
         t3 = time.perf_counter()
-        self.last_timing = FetchTiming(t1 - t0, t2 - t1, t3 - t2)
+        wait = min(loc.waited_s, t1 - t0)  # measured inside the claim's round trip, so never longer than it
+        self.last_timing = FetchTiming(t1 - t0 - wait, t2 - t1, t3 - t2, wait)
         if rec is not None:
             rec.add(trace.CpuEvent("claim", "", t0, t1, key))
             rec.add(trace.CpuEvent("pack", "", t2, t3, key))

@@ -524,6 +524,7 @@ class Controller:
         """Wait for the ``seq``-th admitted mini-batch, then claim rank ``rank``'s share of it (one round trip
         for a prefetcher on a remote controller). ``TimeoutError`` if it is not admitted in time; nothing is
         claimed then."""
+        t_wait = time.perf_counter()
         adm = self.next_admitted(seq, timeout)
         if self._missing:  # wait for the re-put of a share's lost trajectories (never hand out part of it)
             share = adm.shares[rank] if 0 <= rank < self.num_ranks else ()
@@ -532,7 +533,8 @@ class Controller:
                 if not ok:
                     raise TimeoutError(f"mini-batch #{seq} rank {rank}: lost trajectories not re-put within "
                                        f"{timeout} s")
-        return self.claim(adm.key, rank, fields, epoch)
+        waited = time.perf_counter() - t_wait
+        return dataclasses.replace(self.claim(adm.key, rank, fields, epoch), waited_s=waited)
 
     def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str],
             epoch: int | None = None) -> tuple[tuple[str, tuple[int, ...]], ...]:

@@ -70,20 +70,14 @@ def verify_checksums(traj_id: int, arrays: Mapping[str, np.ndarray], sums: Mappi
 
 
 def verify_chunks(loc: ShareLocation, chunks: Sequence[UnitChunk], ragged: Mapping[str, bool]) -> None:
-    """Check every trajectory's slice of every field in the units' chunks against the claim's checksums."""
+    """Check every trajectory's row of every field in the units' chunks (either ``UnitChunk`` form) against the
+    claim's checksums. ``ragged`` is no longer needed (a chunk knows its rows); kept for callers."""
     if not loc.checksums:
         return
     want = {(name, t): s for name, col in zip(loc.fields, loc.checksums) for t, s in zip(loc.traj_ids, col)}
     for ch in chunks:
         for f, name in enumerate(ch.fields):
-            vals = ch.values[f]
-            if ragged[name]:
-                offs = np.zeros(len(ch.traj_ids) + 1, dtype=np.int64)
-                np.cumsum(ch.lengths[f], out=offs[1:])
-                parts = [vals[offs[i]:offs[i + 1]] for i in range(len(ch.traj_ids))]
-            else:
-                parts = [vals[i] for i in range(len(ch.traj_ids))]
-            for t, arr in zip(ch.traj_ids, parts):
+            for t, arr in zip(ch.traj_ids, ch.rows(f)):
                 verify_checksums(t, {name: arr}, {name: want.get((name, t))}, where=f"fetch from unit {ch.unit_id}")
 
 
@@ -205,7 +199,13 @@ class FaultyUnit:
             if c.field in chunk.fields:
                 f = chunk.fields.index(c.field)
                 values = list(chunk.values)
-                values[f] = _flip_one_byte(values[f])
+                if isinstance(values[f], tuple):  # rows form: the middle trajectory's row, as a copy
+                    rows = list(values[f])
+                    if rows:
+                        rows[len(rows) // 2] = _flip_one_byte(rows[len(rows) // 2])
+                    values[f] = tuple(rows)
+                else:
+                    values[f] = _flip_one_byte(values[f])
                 chunk = replace(chunk, values=tuple(values))
         return chunk
 

@@ -1,18 +1,21 @@
 """The in-process transport (the embedded default): controller and units are plain objects in this process.
 
-Zero-copy: a unit stores the producer's arrays by reference and hands the same arrays to the fetching rank,
-which packs them (the one copy a ready-to-use tensor needs). Producers and ranks are threads.
+Zero-copy reads: a unit hands the fetching rank its stored read-only copies by reference, and the rank packs them
+into a reused buffer (the one copy a ready-to-use tensor needs). Producers and ranks are threads.
 
-Read deadlines (as on Ray, ``read_timeout_s``): a rank's reads run on a daemon reader thread and the rank waits
-for them up to the deadline; a unit hung in ``get`` then raises ``ReadTimeoutError`` (the claim is undone) instead
-of blocking ``fetch_next`` and ``Prefetcher.close`` for ever. The hung reader is abandoned (it is a daemon: it
-never holds up the interpreter's exit) and later reads use another one.
+Read deadlines (as on Ray, ``read_timeout_s``): a plain ``StorageUnit``'s get waits on nothing but its lock, so a
+rank reads it on its own thread with that wait bounded by the deadline; any other unit (a multimodal unit, a
+fault-injecting wrapper, a user's) is read on a daemon reader thread and the rank waits for it up to the deadline.
+Either way a unit hung in ``get`` raises ``ReadTimeoutError`` (the claim is undone) instead of blocking
+``fetch_next`` and ``Prefetcher.close`` for ever. A hung reader thread is abandoned (it is a daemon: it never holds
+up the interpreter's exit) and later reads use another one.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -78,6 +81,17 @@ class DeadlineGetter:
         extra = unit_args or {}
         if self.read_timeout_s is None:
             return [self.units[u].get(ts, fields, *extra.get(u, ())) for u, ts in requests]
+        if all(getattr(type(self.units[u]), "BOUNDED_GET", False) for u, _ in requests):
+            # Plain units only wait on their lock, which ``lock_timeout`` bounds: read on this thread (a hop to a
+            # reader thread costs a GIL hand-off per share, milliseconds when other threads hold the GIL).
+            deadline, out = time.monotonic() + self.read_timeout_s, []
+            for u, ts in requests:
+                try:
+                    out.append(self.units[u].get(ts, fields, *extra.get(u, ()), lock_timeout=deadline - time.monotonic()))  # type: ignore[call-arg]
+                except ReadTimeoutError:
+                    raise ReadTimeoutError(f"unit {u} did not answer a read within {self.read_timeout_s} s (the "
+                                           f"claim is undone; retry, or report the unit lost)") from None
+            return out
         at: list[str] = []  # the unit being read (named if the deadline passes)
 
         def read() -> list[UnitChunk]:

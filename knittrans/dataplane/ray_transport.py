@@ -39,8 +39,9 @@ import ray
 from knittrans.dataplane import trace
 from knittrans.dataplane.client import DataPlaneClient, PrepareConfig
 from knittrans.dataplane.controller import Controller, ControllerConfig, ControllerStats, HandoffRecord
+from knittrans.dataplane.buffers import BufferPool
 from knittrans.dataplane.recovery import CompleteEvent, ControllerJournal, JournalState, RecoveryError, Released
-from knittrans.dataplane.storage import StorageUnit, UnitStats
+from knittrans.dataplane.storage import StorageUnit, UnitStats, packed_chunk
 from knittrans.dataplane.types import (AdmittedMiniBatch, ControllerLostError, DataPlaneClosedError, DataPlaneError,
                                        MiniBatchKey, PutRecord, ReadTimeoutError, ShareLocation, TrajectoryPayload,
                                        TrajectorySchema, UnitChunk, UnitLostError)
@@ -68,7 +69,11 @@ class UnitHost:
         return self.unit.put(payloads)
 
     def get(self, traj_ids: Sequence[int], fields: Sequence[str]) -> UnitChunk:
-        return self.unit.get(traj_ids, fields)
+        """The unit's rows packed into one of this actor's reused buffers (``storage.packed_chunk``): Ray then
+        copies a few contiguous arrays into the object store, and the rank maps them without a copy."""
+        if not hasattr(self, "_pool"):
+            self._pool = BufferPool(max_buffers=8)  # one per concurrent get (the actor's max_concurrency)
+        return packed_chunk(self.unit.get(traj_ids, fields), self._pool)
 
     def drop(self, traj_ids: Sequence[int], fields: Sequence[str] | None = None) -> int:
         return self.unit.drop(traj_ids, fields)

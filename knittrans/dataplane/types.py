@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 import sys
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
 
@@ -276,20 +276,42 @@ class ShareLocation:
     seq: int = -1  # the mini-batch's admission order (its training step), -1 when unknown
     group_ids: tuple[int, ...] = ()  # every group of the mini-batch (all ranks' shares together)
     epoch: int = -1  # the rank incarnation that claimed it (``Controller.rank_epoch``); -1: unfenced
+    waited_s: float = 0.0
+    """How long ``claim_next`` waited in the controller for the admission (and any re-put) before it claimed: time
+    the fetch spent waiting for data to exist, not moving it (``FetchTiming`` keeps the two apart)."""
 
 
 @dataclass(frozen=True)
 class UnitChunk:
-    """A unit's answer to a get, packed at the source: ``values[f]`` holds field ``fields[f]`` of every
-    trajectory in ``traj_ids`` back to back (ragged: ``lengths[f][i]`` rows each; fixed: stacked, lengths None).
-    Packing where the bytes live makes one contiguous buffer per field, so the Ray transport ships a handful of
-    arrays (one object-store copy, zero-copy reads) instead of one small object per trajectory and field."""
+    """A unit's answer to a get: field ``fields[f]`` of every trajectory in ``traj_ids``, in one of two forms.
+
+    - **rows** (what ``StorageUnit.get`` returns): ``values[f]`` is a tuple of per-trajectory arrays, the unit's
+      read-only stored copies themselves. In process that moves no byte; on Ray the whole chunk is one object
+      (one copy into the object store, zero-copy views on the rank). The rank then copies every row once, into its
+      packed share (``pack_share``): one copy per byte in process, two over Ray, no unit-side concatenation.
+    - **packed**: ``values[f]`` is one array with every trajectory back to back (ragged: ``lengths[f][i]`` rows
+      each; fixed: stacked, lengths None). What a hand-built chunk or a rewritten field (multimodal
+      ``image_index``) uses.
+
+    ``rows(f)`` reads either form as per-trajectory arrays (views, no copy)."""
 
     unit_id: str
     traj_ids: tuple[int, ...]
     fields: tuple[str, ...]
-    values: tuple[np.ndarray, ...]
+    values: tuple[np.ndarray | tuple[np.ndarray, ...], ...]
     lengths: tuple[np.ndarray | None, ...]
+
+    def rows(self, f: int) -> Sequence[np.ndarray]:
+        """Field ``fields[f]`` of each trajectory in ``traj_ids`` order (views of ``values[f]``, no copy)."""
+        vals = self.values[f]
+        if isinstance(vals, (tuple, list)):
+            return vals
+        lens = self.lengths[f]
+        if lens is None:
+            return [vals[i] for i in range(len(self.traj_ids))]
+        offs = np.zeros(len(self.traj_ids) + 1, dtype=np.int64)
+        np.cumsum(lens, out=offs[1:])
+        return [vals[offs[i]:offs[i + 1]] for i in range(len(self.traj_ids))]
 
 
 @dataclass(frozen=True)

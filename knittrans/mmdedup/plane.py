@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from knittrans.dataplane.assign import ShareItem, assign_shares
+from knittrans.dataplane.buffers import aligned
 from knittrans.dataplane.client import DataPlaneClient, PrepareConfig, pack_share
 from knittrans.dataplane.controller import Controller, ControllerConfig
 from knittrans.dataplane.inprocess import InProcessDataPlane
@@ -165,6 +166,8 @@ def _check_images(p: MMPayload) -> None:
 class MMStorageUnit(StorageUnit):
     """A storage unit that also holds one ``EncodingStore``: images once per distinct content, refcounted by the
     trajectories that show them, released when the controller says those trajectories are consumed."""
+
+    BOUNDED_GET = False  # its get also waits on the image occurrences' lock and the encoding store
 
     def __init__(self, unit_id: str, node: str, schema: TrajectorySchema = MM_SCHEMA,
                  hash_fn: HashFn = encoding_hash_fn, dedup: bool = True) -> None:
@@ -422,9 +425,10 @@ class MMClient(DataPlaneClient):
 
     def _pack(self, loc: ShareLocation, chunks: Sequence[UnitChunk]) -> PackedShare:
         if IMAGE_FIELD not in loc.fields:
-            return pack_share(loc, chunks, self.schema, self.prepare)
+            return pack_share(loc, chunks, self.schema, self.prepare, self.pack_pool())
         f = loc.fields.index(IMAGE_FIELD)
         pixels, grids, occ_bytes, pix_bytes = [], [], 0, 0
+        srcs: list[tuple[np.ndarray, str]] = []  # the share's distinct images (source, pixel dtype)
         at: dict[ImageKey, int] = {}  # content key -> index in the share's ImageSet
         where: list[list[int]] = []  # per chunk: its local image index -> the share's
         for ch in chunks:
@@ -432,24 +436,34 @@ class MMClient(DataPlaneClient):
                 raise SchemaMismatchError(f"unit {ch.unit_id} is not a multimodal storage unit (it returned no "
                                           f"images for {IMAGE_FIELD!r})")
             m = []
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                for i, a in enumerate(ch.pixels):
-                    pix_bytes += int(a.nbytes)  # moved, even if another unit shipped the same content
-                    k = ch.keys[i] if ch.keys else None
-                    if k is not None and k in at:
-                        m.append(at[k])
-                        continue
-                    # a private copy: in process ``a`` is the unit's stored tensor, on Ray a shared object-store
-                    # view; either way a consumer's in-place edit must not reach what the next mini-batch reads
-                    x = torch.from_numpy(np.array(a, copy=True))
-                    if k is not None:
-                        at[k] = len(pixels)
-                    m.append(len(pixels))
-                    pixels.append(x.view(torch.bfloat16) if ch.pixel_dtype == "bfloat16" else x)
-                    grids.append(ch.grids[i])
+            for i, a in enumerate(ch.pixels):
+                pix_bytes += int(a.nbytes)  # moved, even if another unit shipped the same content
+                k = ch.keys[i] if ch.keys else None
+                if k is not None and k in at:
+                    m.append(at[k])
+                    continue
+                if k is not None:
+                    at[k] = len(srcs)
+                m.append(len(srcs))
+                srcs.append((a, ch.pixel_dtype))
+                grids.append(ch.grids[i])
             where.append(m)
             occ_bytes += ch.occurrence_nbytes
+        # Private copies of the distinct images: in process a source is the unit's stored tensor, on Ray a shared
+        # object-store view; either way a consumer's in-place edit must not reach what the next mini-batch reads.
+        # Written into one reused buffer of the pack pool (no page faults per share), each image 64-byte aligned.
+        pool = self.pack_pool()
+        buf = pool.take(sum(aligned(a.nbytes) for a, _ in srcs)) if pool is not None else None
+        off = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            for a, dtype in srcs:
+                own = (buf[off:off + a.nbytes].view(a.dtype).reshape(a.shape) if buf is not None
+                       else np.empty(a.shape, dtype=a.dtype))
+                np.copyto(own, a)
+                off += aligned(a.nbytes)
+                x = torch.from_numpy(own)
+                pixels.append(x.view(torch.bfloat16) if dtype == "bfloat16" else x)
         shifted = []
         for ch, m in zip(chunks, where):
             for k in ch.borrowed:  # shipped by another unit of this share (the claim named it)
@@ -460,7 +474,7 @@ class MMClient(DataPlaneClient):
             values = list(ch.values)
             values[f] = np.asarray(m, dtype=np.int64)[values[f]] if len(values[f]) else values[f]
             shifted.append(replace(ch, values=tuple(values)))
-        share = pack_share(loc, shifted, self.schema, self.prepare)
+        share = pack_share(loc, shifted, self.schema, self.prepare, pool)
         base = {fl.name: getattr(share, fl.name) for fl in dc_fields(share)}
         base["nbytes"] = share.nbytes + pix_bytes
         return MMShare(**base, images=ImageSet(tuple(pixels), tuple(grids)), pixel_nbytes=pix_bytes,

@@ -131,6 +131,31 @@ def test_transferqueue_adapter_returns_the_same_share_bytes(ray_local):
         tqa.close()
 
 
+def test_transferqueue_multimodal_get_returns_each_samples_own_images(ray_local):
+    """The multimodal TransferQueue baseline: a get returns the share's token fields and every sample's own copy of
+    its images (pixel_values back to back in share order), as a TransferQueue user would store them."""
+    pytest.importorskip("transfer_queue")
+    from baselines import transferqueue_adapter as tqa
+    from baselines.transferqueue_system import PIXELS, mm_schema, tq_payloads
+    from workloads.multimodal_data import MMTransferWorkload
+    from workloads.transfer_data import MMPasses
+
+    d = MMPasses(MMTransferWorkload(prompts_per_batch=2, group_size=2, images_per_prompt=1, image_side=56),
+                 num_minibatches=2, num_producers=2).make(0)
+    schema = mm_schema(TEXT_SCHEMA, d)
+    tqa.start(tqa.TQConfig(num_storage_units=2))
+    try:
+        tqa.put(tq_payloads(d, multimodal=True), schema, "mm")
+        by_id = {r.traj.traj_id: r for r in d.rollouts}
+        ids = (3, 0)
+        share = tqa.get(ids, schema.names, schema, "mm")
+        want = np.concatenate([np.asarray(im) for t in ids for im in by_id[t].images])
+        np.testing.assert_array_equal(share.values[PIXELS], want)
+        tqa.clear(list(by_id), "mm")
+    finally:
+        tqa.close()
+
+
 def test_multi_batch_passes_move_each_batch_once_on_every_system(ray_local):
     """The steady-state (multi-batch) pass over Ray: knittrans.Handoff delivers every batch exactly once (admitted
     by its controller as the producers' completing puts arrive, acked after each step, every drop confirmed); the

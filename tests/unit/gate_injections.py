@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import ray
 import ray.cloudpickle
@@ -90,3 +92,33 @@ def encoder_runs_per_occurrence(monkeypatch) -> None:  # noqa: ANN001
             first.setdefault(i, o)
         return [first.get(i) for i in range(len(batch.images.pixels))]
     monkeypatch.setattr(gather, "encode_distinct", encode_every_occurrence)
+
+
+@dataclass(frozen=True)
+class PerTrajectoryGetter:
+    """Reads a share one trajectory at a time: one unit call (on Ray: one actor round trip and one object) per
+    trajectory instead of one per unit -- the per-trajectory access pattern the data plane's unit chunks replace."""
+
+    inner: Callable
+
+    def __call__(self, requests, fields):  # noqa: ANN001, ANN204
+        return [ch for u, ts in requests for t in ts for ch in self.inner([(u, (t,))], fields)]
+
+
+class PerTrajectoryReadsConsumer(Consumer):
+    """A handoff consumer whose client reads through ``PerTrajectoryGetter`` (prefetching as usual)."""
+
+    @property
+    def client(self):  # noqa: ANN201
+        c = super().client
+        if not isinstance(c.getter, PerTrajectoryGetter):
+            c.getter = PerTrajectoryGetter(c.getter)
+        return c
+
+
+def reads_one_trajectory_at_a_time(monkeypatch) -> None:  # noqa: ANN001
+    """The regression "one unit call per trajectory": every consumer's reads split per trajectory."""
+    def consumer(self, rank=0, fields=None, start_seq=0, count=None):  # noqa: ANN001, ANN202
+        return PerTrajectoryReadsConsumer(self.plane, rank, None if fields is None else tuple(fields),
+                                          self.config.prefetch_depth, self.config.admit_timeout_s, start_seq, count)
+    monkeypatch.setattr(Handoff, "consumer", consumer)

@@ -263,3 +263,25 @@ def test_several_raw_passes_count_as_their_median_time_and_keep_every_get_and_th
     assert r.raw_s == 0.3 and r.get_s == (0.3, 5.0, 0.2) and r.live_bytes_after == 4 and r.bytes_moved == 10
     with pytest.raises(ValueError, match="raw"):
         median_raw([PassResult(PassKind.STEADY)])
+
+
+def test_transferqueue_multimodal_rows_carry_every_sample_its_own_images():
+    """What the TransferQueue baseline puts for a VLM batch: each trajectory's token fields plus its own copy of its
+    prompt's patches (no dedup: the batch's pixel bytes are the per-occurrence bytes) and one grid row per image."""
+    from baselines.transferqueue_system import GRIDS, PIXELS, mm_schema, tq_payloads
+    from knittrans.dataplane.types import TEXT_SCHEMA
+    from workloads.multimodal_data import MMTransferWorkload
+    from workloads.transfer_data import MMPasses
+
+    d = MMPasses(MMTransferWorkload(prompts_per_batch=2, group_size=3, images_per_prompt=2, image_side=56),
+                 num_minibatches=2, num_producers=2).make(0)
+    schema = mm_schema(TEXT_SCHEMA, d)
+    payloads = tq_payloads(d, multimodal=True)
+    assert [p.traj_id for p in payloads] == [r.traj.traj_id for r in d.rollouts]
+    for p, r in zip(payloads, d.rollouts):
+        for name, arr in p.tensors.items():
+            schema.get(name).check(p.traj_id, arr)
+        assert np.array_equal(p.tensors[PIXELS], np.concatenate([np.asarray(im) for im in r.images]))
+        assert p.tensors[GRIDS].shape == (len(r.images), 3)
+    assert sum(p.tensors[PIXELS].nbytes for p in payloads) == d.occurrence_pixel_nbytes
+    assert [p.tensors for p in tq_payloads(d, multimodal=False)][0].keys() == d.rollouts[0].tensors.keys()

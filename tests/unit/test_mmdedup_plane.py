@@ -169,3 +169,31 @@ def test_fields_put_after_the_images_complete_a_trajectory_and_images_are_put_on
     share = dp.client().fetch(mb, rank=0)
     assert set(share.fields) == {"input_ids", "old_logprobs", "advantages", "loss_mask", IMAGE_FIELD}
     assert len(share.images.pixels) == 1 and dp.live_bytes() == 0
+
+
+def test_a_shares_pixels_are_its_own_while_it_lives_even_with_reused_pack_buffers():
+    """Pixels are packed into reused buffers: editing a live share's images never reaches the stored encodings,
+    and a later share never lands on a live one's pixel memory."""
+    groups = _groups()
+    dp = build_mm_inprocess(UNITS, RANKS)
+    _put_all(dp, groups)
+    mbs = _minibatches(groups, 2)
+    for mb in mbs:
+        dp.controller.admit(mb)
+    c = dp.client()
+    first = c.fetch(mbs[0], rank=0, ack=False)
+    for p in first.images.pixels:
+        p.fill_(0)  # the consumer edits its images in place
+    later = [c.fetch(mb, rank=r) for mb, r in ((mbs[0], 1), (mbs[1], 0), (mbs[1], 1))]
+    ptrs = {p.data_ptr() for p in first.images.pixels}
+    assert all(p.data_ptr() not in ptrs for s in later for p in s.images.pixels)
+    assert all(float(p.abs().sum()) == 0 for p in first.images.pixels)  # still this consumer's own bytes
+    t = first.traj_ids[0]  # its mini-batch is not released (rank 0 has not acked): its unit still holds it
+    g = next(g for g in groups for s in g.samples if s.traj_id == t)
+    sample = next(s for s in g.samples if s.traj_id == t)
+    held = [u.get((t,), (IMAGE_FIELD,)) for u in dp.units.values() if t in u._data]  # noqa: SLF001
+    assert len(held) == 1
+    distinct = list(dict.fromkeys(sample.image_index))
+    assert len(held[0].pixels) == len(distinct)
+    for px, j in zip(held[0].pixels, distinct):
+        np.testing.assert_array_equal(px, g.images[j].pixel_values.numpy())
