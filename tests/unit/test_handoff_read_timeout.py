@@ -25,23 +25,25 @@ def test_a_hung_unit_read_fails_with_the_typed_timeout_at_the_configured_deadlin
     h = Handoff(cfg)
     assert h.plane.read_timeout_s == 0.3
     unit = h.plane.units["u0"]
-    wake = threading.Event()
-    real_get = unit.get
+    wake, held = threading.Event(), threading.Event()
 
-    def hung_get(traj_ids, fields):  # noqa: ANN001, ANN202 - a unit that stops answering until woken
-        wake.wait(timeout=30)
-        return real_get(traj_ids, fields)
+    def stuck() -> None:  # the unit hangs mid-operation holding its lock (an in-process get waits only on it)
+        with unit._lock:
+            held.set()
+            wake.wait(timeout=30)
 
     try:
         h.add_batch(BatchPlan(0, (GroupSpec(0, 0, 2), GroupSpec(1, 0, 2))))
         h.seal()
         h.producer().put([_rollout(t) for t in range(4)])
-        unit.get = hung_get
+        hang = threading.Thread(target=stuck, daemon=True)
+        hang.start()
+        assert held.wait(timeout=10)
         with pytest.raises(ReadTimeoutError, match=r"unit u0 did not answer a read within 0\.3 s"):
             h.consumer(0).take(1)
         assert not wake.is_set()  # it ended at the configured deadline, not when the unit answered
         wake.set()
-        unit.get = real_get
+        hang.join(timeout=10)
         share = h.consumer(0).take(1)[0]  # the claim was undone: a new consumer gets the whole share
         assert share.traj_ids == (0, 1, 2, 3)
     finally:
