@@ -116,10 +116,16 @@ def systems_of(cfg: ClusterConfig, layout, session, trace: bool) -> list:  # noq
     from baselines.centralized import CentralizedConfig
     from baselines.centralized_system import CentralizedSystem
     from knittrans.bench import KnitTransSystem
+    from baselines.verl_mm import VerlMMSystem
     from knittrans.handoff import Transport
 
     return [CentralizedSystem("centralized", layout, session, CentralizedConfig(), trace=trace),
-            KnitTransSystem("knittrans-ray", layout, Transport.RAY, multimodal=True, session=session, trace=trace)]
+            KnitTransSystem("knittrans-ray", layout, Transport.RAY, multimodal=True, session=session, trace=trace),
+            VerlMMSystem("verl-mm", layout, session, trace=trace)]
+
+
+GRAPH_OF = {"centralized": "central", "knittrans-ray": "knittrans", "verl-mm": "verl"}
+"""Which task graph of ``knittrans.sim.cluster_model`` replays each system's traced raw pass."""
 
 
 def single_raylet_rows(cfg: ClusterConfig, src) -> list[ClusterPassTrial]:  # noqa: ANN001
@@ -164,11 +170,11 @@ def multi_raylet_trace(cfg: ClusterConfig, src, meta: dict):  # noqa: ANN001, AN
                     s.run_raw(src.make(50 + i, 1))
                 for p in range(cfg.passes):
                     cal[p] = calibrate(cluster.node_ids, sizes, repeats=1)
-                    order = systems[p % 2:] + systems[:p % 2]
+                    order = systems[p % len(systems):] + systems[:p % len(systems)]
                     base = 100 * (p + 1)  # fresh batch ids per pass (data is consumed once)
                     recs = interleaved_passes(order, 1, lambda uid, slot: src.make(base + uid, slot), 1, 0.0,
                                               steady=False, warmup=False)
-                    passes += [RecordedPass(p, r.system, "central" if r.system == "centralized" else "knittrans",
+                    passes += [RecordedPass(p, r.system, GRAPH_OF[r.system],
                                             r.raw.t0, r.raw.raw_s, r.raw.bytes_moved, r.raw.trace,
                                             r.raw.pixel_nbytes) for r in recs]
             finally:

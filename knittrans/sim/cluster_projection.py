@@ -65,7 +65,7 @@ class PhaseCosts:
                 for e in cpu:
                     nb = {"deser": gathered, "build": sum(scat.values()), "ser": scat.get(e.key, 0)}.get(e.label, 0)
                     add(f"central/{e.label}", e.t_end - e.t_start, nb)
-            else:
+            elif p.graph == "knittrans":  # (the verl baseline's passes are not projected)
                 read = {}
                 for f in flows:
                     read[f.key] = read.get(f.key, 0) + f.nbytes
