@@ -218,7 +218,7 @@ def rows_from_trace(trace, bandwidths: Sequence[float] = (3.0, 6.25, 12.5, 25.0)
                     knittrans_raw_s=pr.knittrans_raw_s, central_exposed_s=pr.central_exposed_s,
                     knittrans_exposed_s=pr.knittrans_exposed_s, central_train_s=pr.central_train_s,
                     knittrans_train_s=pr.knittrans_train_s, vision_lm_ratio=balance.ratio,
-                    link_latency_s=link.latency_s))
+                    link_latency_s=link.latency_s, verl_raw_s=pr.verl_raw_s, verl_exposed_s=pr.verl_exposed_s))
     return rows
 
 
@@ -251,7 +251,9 @@ def summary_rows(rows: Sequence[Trial]) -> list[dict]:
             out.append({"what": f"MODELLED {r.bandwidth_gbps:g} GB/s R={r.num_ranks} n={r.group_size}",
                         "central_raw_s": r.central_raw_s, "knittrans_raw_s": r.knittrans_raw_s,
                         "transfer_ratio": r.transfer_ratio, "central_train_s": r.central_train_s,
-                        "knittrans_train_s": r.knittrans_train_s, "speedup": r.speedup})
+                        "knittrans_train_s": r.knittrans_train_s, "speedup": r.speedup,
+                        "verl_raw_s": r.verl_raw_s, "transfer_ratio_verl": r.transfer_ratio_verl,
+                        "speedup_verl": r.speedup_verl})
     return out
 
 

@@ -84,6 +84,10 @@ class ClusterProjectionTrial(Trial):
     """Measured on the 7B-balance model: vision seconds per patch / LM seconds per token."""
     link_latency_s: float
     """Per-flow latency of the validated fit (median over passes)."""
+    verl_raw_s: float | None = None
+    """The faithful verl baseline (verl-mm), where the trace measured its phases: raw transfer ..."""
+    verl_exposed_s: float | None = None
+    """... and exposed (its three dispatches; it trains every occurrence: ``central_train_s``)."""
 
     @property
     def transfer_ratio(self) -> float:
@@ -92,6 +96,16 @@ class ClusterProjectionTrial(Trial):
     @property
     def speedup(self) -> float:
         return (self.central_exposed_s + self.central_train_s) / (self.knittrans_exposed_s + self.knittrans_train_s)
+
+    @property
+    def transfer_ratio_verl(self) -> float | None:
+        return None if self.verl_raw_s is None else self.verl_raw_s / self.knittrans_raw_s
+
+    @property
+    def speedup_verl(self) -> float | None:
+        if self.verl_exposed_s is None:
+            return None
+        return (self.verl_exposed_s + self.central_train_s) / (self.knittrans_exposed_s + self.knittrans_train_s)
 
     @property
     def point(self) -> tuple[float, int, int]:
@@ -159,18 +173,18 @@ def network_share(rows: Sequence[Trial]) -> Measured:
                     "; ".join(f"{s} {v:.0%}" for s, v in med.items()) + " of the predicted time is flows")
 
 
-def projected(attr: str) -> Callable[[Sequence[Trial]], Measured]:
+def projected(attr: str, baseline: str = CENTRAL) -> Callable[[Sequence[Trial]], Measured]:
     """The projection at the pre-registered point, [min, max] over the sweep; NOT MEASURED unless the model's fit
-    holds on the same run's multi-raylet passes."""
+    holds on the same run's multi-raylet passes of ``baseline`` and knittrans-ray."""
 
     def measure(rows: Sequence[Trial]) -> Measured:
-        fit = fit_error(rows)
+        fit = fit_error(rows, baseline)
         if not fit.measured:
             return not_measured(f"the model's fit was not measured ({fit.note}): no verdict on a projection")
         if fit.value > FIT_BOUND:
             return not_measured(f"the model's fit error {fit.value:.1%} exceeds {FIT_BOUND:.0%} ({fit.note}): "
                                 "the projection is not validated, no verdict")
-        proj = [r for r in rows if isinstance(r, ClusterProjectionTrial)]
+        proj = [r for r in rows if isinstance(r, ClusterProjectionTrial) and getattr(r, attr) is not None]
         at = [r for r in proj if r.point == REGISTERED]
         if not at:
             return not_measured(f"the projection has no point {REGISTERED} (GB/s, R, n)")
@@ -251,6 +265,19 @@ CLAIMS: tuple[Claim, ...] = (
           "MODELLED (exposed transfer + training) per batch, baseline / KnitTrans, at the pre-registered point, "
           "[min, max] over the sweep; bound 4.6 = 0.8 x 5.8 as the speedup table's; decided only where "
           "cluster_model_fit_error holds", projected("speedup"), bound=Bound(">=", 4.6), comparison=PROJ),
+    Claim("cluster_projected_transfer_ratio_verl", TABLE, ClaimKind.TARGET, "~100x (two orders of magnitude, "
+          "measured against verl)", "x",
+          "MODELLED raw transfer per batch, verl-mm (the faithful verl baseline: every sample's own pixel_values "
+          "gathered to the driver and shipped to the ranks for each of three dispatches) / KnitTrans, at the "
+          "pre-registered point, [min, max] over the sweep; bound 50; decided only where "
+          "cluster_model_fit_error_verl holds", projected("transfer_ratio_verl", VERL), bound=Bound(">=", 50.0),
+          comparison=PROJ + "; verl-mm: its gather, unpickle and build run ahead, its three dispatches are "
+          "exposed, its forward passes cost no compute (in its favour)"),
+    Claim("cluster_projected_speedup_verl", TABLE, ClaimKind.TARGET, "up to 5.8x (against verl)", "x",
+          "MODELLED (exposed transfer + training) per batch, verl-mm / KnitTrans, at the pre-registered point, "
+          "[min, max] over the sweep; bound 4.6; decided only where cluster_model_fit_error_verl holds",
+          projected("speedup_verl", VERL), bound=Bound(">=", 4.6),
+          comparison=PROJ + "; verl-mm trains every image occurrence, as the centralized baseline"),
     Claim("cluster_projected_transfer_ratio_best", TABLE, ClaimKind.MEASUREMENT, "~100x", "x",
           "MODELLED: the largest raw transfer ratio of the sweep (a selection: context)",
           projected_best("transfer_ratio"), comparison=PROJ),
