@@ -39,6 +39,9 @@ from workloads.multimodal_data import MMTransferWorkload
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "cluster_trace.jsonl"
 """A recorded multi-raylet trace (``python -m repro.cluster``'s trace.jsonl): the gate checks the model on it."""
+FIXTURE_VERL = FIXTURE.with_name("cluster_trace_verl.jsonl")
+"""A recorded run with the faithful verl baseline (verl-mm) beside both systems: tests check the model's
+``verl_graph`` and the projection against verl-mm on it."""
 
 
 @dataclass
