@@ -1,9 +1,11 @@
 """Cluster table ("transfer-cluster", issue 14): the multimodal handoff measured on one raylet and on a multi-raylet
 Ray cluster, the cluster model fitted to the multi-raylet passes, and the paper's setting projected with it.
 
-``python -m repro.cluster workload=multimodal`` runs, on the same seeded multimodal batches (``MMPasses``), both
-systems -- verl's driver path (``baselines.centralized_system``) and ``knittrans.Handoff`` on Ray
-(``knittrans.bench.KnitTransSystem``) -- in K interleaved raw passes (one batch, no compute):
+``python -m repro.cluster workload=multimodal`` runs, on the same seeded multimodal batches (``MMPasses``), three
+systems -- verl's driver path as the kinder baseline (``baselines.centralized_system``), the faithful verl
+multimodal baseline (``baselines.verl_mm``: per-row dicts of tensors, three dispatches per step) and
+``knittrans.Handoff`` on Ray (``knittrans.bench.KnitTransSystem``) -- in K interleaved raw passes (one batch, no
+compute):
 
 1. **single raylet**: one Ray node, every hop shared memory (what the transfer table measures);
 2. **multi raylet**: ``knittrans.bench.cluster.LocalCluster``: the driver and controller on node 0, each rollout

@@ -10,10 +10,10 @@ machine's copy capacity); a projection to separate machines leaves it out (None)
 What is measured, never modelled: every CPU phase -- the driver's unpickle and build, the serialization of a
 chunk into an object store, a unit's get and its serialization ("source"), a rank's unpickle and packing, a
 controller claim -- is a ``CpuEvent`` of the recorded trace (``knittrans.dataplane.trace``) and enters the model as
-its measured duration, in the order the system runs it (``central_graph``, ``knittrans_graph``). The model then
-predicts each system's raw transfer time (t0 -> every rank holds every share) by replaying that task graph with
-the flows' durations computed instead of read. The link parameters come from calibration transfers of the same
-run (``fit_link``), never from the systems' own flows.
+its measured duration, in the order the system runs it (``central_graph``, ``verl_graph``, ``knittrans_graph``).
+The model then predicts each system's raw transfer time (t0 -> every rank holds every share) by replaying that
+task graph with the flows' durations computed instead of read. The link parameters come from calibration
+transfers of the same run (``fit_link``), never from the systems' own flows.
 
     >>> link = LinkModel(bandwidth_Bps=1e9, latency_s=0.0)
     >>> done = simulate([Task("a", src="n1", dst="n0", nbytes=10**9), Task("b", src="n2", dst="n0", nbytes=10**9),

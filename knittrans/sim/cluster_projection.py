@@ -20,7 +20,8 @@ Inputs, each either measured or an assumption stated here and in docs/cluster.md
 Per batch: the baseline (verl's driver) exposes its scatter (gather and build are built ahead while the previous
 batch trains, in its favour) and trains every image occurrence; KnitTrans's ranks read each share while the
 previous step computes (batch b+1 completes when b's last step starts), exposing ``max(0, share read - step)``
-per mini-batch, and encode each distinct image once.
+per mini-batch, and encode each distinct image once. Where the trace measured the faithful verl baseline's phases
+(graph "verl"), ``verl_pass`` projects it too: its gather and build ahead, its three dispatches exposed.
 """
 
 from __future__ import annotations
