@@ -51,8 +51,10 @@ import torch
 from baselines.centralized import balance_plan
 from baselines.centralized_system import CentralOverlap
 from knittrans.bench.loop import finish_raw, finish_steady, merge_traces, step_key
-from knittrans.bench.ray_ranks import RankRun, RaySession, actor_wait
+from knittrans.bench.ray_ranks import RankRun, RaySession, actor_wait, pinned
 from knittrans.bench.types import BenchLayout, Obtained, PassData, PassResult
+from knittrans.dataplane.harness import RankTrace
+from knittrans.dataplane.trace import CpuEvent, FlowEvent
 
 MM_KEY = "multi_modal_inputs"
 DISPATCHES = ("compute_log_prob", "compute_ref_log_prob", "update_actor")
@@ -227,15 +229,35 @@ class Built:
     gather_bytes: int
 
 
+@ray.remote(num_cpus=0)
+def _rollout_output(out: VerlProto) -> VerlProto:
+    """An agent-loop worker's output, created in its node's object store (the task runs there and returns it)."""
+    return out
+
+
 class VerlMMSystem:
     """The verl multimodal step (see the module docstring) on a ``RaySession``'s rank actors."""
 
     def __init__(self, name: str, layout: BenchLayout, session: RaySession,
-                 overlap: CentralOverlap = CentralOverlap.BUILD_AHEAD) -> None:
+                 overlap: CentralOverlap = CentralOverlap.BUILD_AHEAD, trace: bool = False) -> None:
         self.name, self.layout, self.session, self.overlap = name, layout, session, CentralOverlap(overlap)
+        self.trace = trace
+        """On a cluster (``layout.placement``), raw passes record the driver's path (``PassResult.trace``, as
+        ``CentralizedSystem``'s): one pull per rollout output ("gather"), the unpickle ("deser"), concat + balance
+        ("build"); per dispatch (keys "d<i>/r<rank>") each rank's chunk serialized on the driver ("ser"), pulled to
+        the rank ("scatter") and split there ("tail"); after each forward dispatch the results' return to the
+        driver ("ret": the slowest rank's end -> the driver's ``ray.get`` returned) and the union ("union")."""
+        self._events: list = []
+        self._chunk_bytes: dict[tuple[int, int], int] = {}
+        self._source_of: dict = {}  # rollout output ref -> (its node, its payload bytes), on a cluster
+
+    @property
+    def _traced(self) -> bool:
+        return self.trace and self.layout.placement is not None
 
     def stage(self, d: PassData) -> list:
-        """The rollout units' outputs in the object store when the batch completes (one ``VerlProto`` each)."""
+        """The rollout units' outputs in the object store when the batch completes (one ``VerlProto`` each); on a
+        cluster (``layout.placement``) each is created on its rollout node (unit ``producer mod U``'s)."""
         if not d.multimodal:
             raise ValueError(f"{self.name} moves multimodal batches (PassData without images)")
         lp = max(int(p.shape[0]) for p in d.prompts)
@@ -243,46 +265,109 @@ class VerlMMSystem:
         by_producer: dict[int, list[int]] = {}
         for r in d.rollouts:
             by_producer.setdefault(d.producer_of[r.traj.traj_id], []).append(r.traj.traj_id)
-        return [ray.put(rollout_output(d, ts, lp, lr)) for _, ts in sorted(by_producer.items())]
+        outs = [(p, rollout_output(d, ts, lp, lr)) for p, ts in sorted(by_producer.items())]
+        place = self.layout.placement
+        if place is None:
+            return [ray.put(o) for _, o in outs]
+        nodes = [place.unit_nodes[p % len(place.unit_nodes)] for p, _ in outs]
+        refs = [_rollout_output.options(**pinned(n)).remote(o) for n, (_, o) in zip(nodes, outs)]
+        ray.wait(refs, num_returns=len(refs), fetch_local=False)  # written before t0, on the rollout nodes
+        self._source_of.update({ref: (n, o.nbytes) for ref, n, (_, o) in zip(refs, nodes, outs)})
+        return refs
+
+    def _traced_gather(self, refs: list) -> list:
+        """``ray.get(refs)`` split into one pull per rollout output (a flow each) and the unpickle."""
+        driver, t0 = self.layout.placement.driver_node, time.perf_counter()
+        pending, arrived = list(refs), {}
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, fetch_local=True)
+            arrived[ready[0]] = time.perf_counter()
+        for ref in refs:
+            src, nb = self._source_of.pop(ref)
+            self._events.append(FlowEvent("gather", src, driver, nb, t0, arrived[ref]))
+        t1 = time.perf_counter()
+        out = ray.get(refs)
+        self._events.append(CpuEvent("deser", driver, t1, time.perf_counter()))
+        return out
 
     def build(self, refs: list, d: PassData) -> Built:
-        gathered = ray.get(refs)  # gather: every unit's output deserialized on the driver
+        gathered = self._traced_gather(refs) if self._traced else ray.get(refs)  # gather, deserialized
+        t_build = time.perf_counter()
         batch = VerlProto.concat(gathered)
         plan = balance_plan(d.minibatches, d.tokens, self.layout.num_ranks)
         row = {int(t): i for i, t in enumerate(batch.non_tensor_batch["traj_id"])}
         order = np.array([row[t] for rows in plan.rows_per_rank for t in rows], dtype=np.int64)
-        return Built(batch.select(order), plan.per_minibatch, sum(p.nbytes for p in gathered))
+        built = Built(batch.select(order), plan.per_minibatch, sum(p.nbytes for p in gathered))
+        if self._traced:
+            self._events.append(CpuEvent("build", self.layout.placement.driver_node, t_build, time.perf_counter()))
+        return built
 
-    def _forward(self, built: Built, out_key: str) -> int:
-        """One forward dispatch (chunk, ship, wait); the driver unions its output. Returns the bytes shipped."""
-        s = self.session
+    def _ship(self, i: int, chunks: list, call) -> list:  # noqa: ANN001 - call(rank actor, rank, chunk)
+        """Dispatch ``i``: one call per rank with its chunk as the argument (``.remote()`` serializes it into the
+        driver's object store: timed as "ser" when traced)."""
+        out = []
+        for r, (rk, c) in enumerate(zip(self.session.ranks, chunks)):
+            t = time.perf_counter()
+            out.append(call(rk, r, c))
+            if self._traced:
+                self._events.append(CpuEvent("ser", self.layout.placement.driver_node, t, time.perf_counter(),
+                                             f"d{i}/r{r}"))
+                self._chunk_bytes[(i, r)] = int(c.nbytes)
+        return out
+
+    def _forward(self, built: Built, i: int, out_key: str) -> int:
+        """Forward dispatch ``i`` (chunk, ship, wait); the driver unions its output. Returns the bytes shipped."""
         chunks = built.batch.chunk(self.layout.num_ranks)
-        ray.get([rk.run.remote(ForwardSource(c, built.per_minibatch), RankRun(1, 1, 0.0))
-                 for rk, c in zip(s.ranks, chunks)])
+        traces = ray.get(self._ship(i, chunks, lambda rk, r, c: rk.run.remote(ForwardSource(c, built.per_minibatch),
+                                                                            RankRun(1, 1, 0.0))))
+        t_ret = time.perf_counter()
         b = built.batch
         built.batch.union({out_key: torch.zeros(b.batch["responses"].shape, dtype=torch.float32)})
+        if self._traced:
+            driver = self.layout.placement.driver_node
+            self._rank_events(i, traces)
+            last = max(m.t_got for tr in traces for m in tr.timings)
+            self._events += [CpuEvent("ret", driver, min(last, t_ret), t_ret, f"d{i}"),
+                             CpuEvent("union", driver, t_ret, time.perf_counter(), f"d{i}")]
         return sum(c.nbytes for c in chunks)
+
+    def _rank_events(self, i: int, traces: Sequence[RankTrace]) -> None:
+        """Per rank, dispatch ``i``'s chunk pull (serialized -> the rank's call started: the chunk is the call's
+        argument) and the rank's tail (call started -> its last piece in hand)."""
+        place = self.layout.placement
+        ser = {e.key: e for e in self._events if e.label == "ser"}
+        for tr in sorted(traces, key=lambda t: t.rank):
+            first = min(tr.timings, key=lambda m: (m.batch, m.index))
+            started = first.t_ask + first.fetch_s  # t_ask = the call's first ask (or t0 + the update's latency)
+            key, node = f"d{i}/r{tr.rank}", place.rank_nodes[tr.rank]
+            self._events += [FlowEvent("scatter", place.driver_node, node, self._chunk_bytes[(i, tr.rank)],
+                                       ser[key].t_end, started, key),
+                             CpuEvent("tail", node, started, max(m.t_got for m in tr.timings), key)]
 
     def _dispatch(self, built: Built, t0: float, iters_per_token: float, batch: int, tag: int, m: int,
                   first_ask: Sequence[float]) -> tuple[list, int, int]:
         """The three dispatches of one step; returns the running update calls, bytes and pixel bytes shipped."""
-        moved = self._forward(built, "old_log_probs") + self._forward(built, "ref_log_prob")
+        moved = self._forward(built, 0, "old_log_probs") + self._forward(built, 1, "ref_log_prob")
         s = self.session
         chunks = built.batch.chunk(self.layout.num_ranks)
-        running = [rk.run.remote(UpdateSource(c, built.per_minibatch, t0),
-                                 RankRun(1, m, iters_per_token, first_batch=batch, tag=tag, signals=s.signals,
-                                         first_ask=fa))
-                   for rk, c, fa in zip(s.ranks, chunks, first_ask)]
+        running = self._ship(2, chunks, lambda rk, r, c: rk.run.remote(
+            UpdateSource(c, built.per_minibatch, t0),
+            RankRun(1, m, iters_per_token, first_batch=batch, tag=tag, signals=s.signals, first_ask=first_ask[r])))
         return running, moved + sum(c.nbytes for c in chunks), len(DISPATCHES) * built.batch.pixel_nbytes
 
     def run_raw(self, batch: PassData) -> PassResult:
         refs = self.stage(batch)
+        self._events, self._chunk_bytes = [], {}
         t0 = time.perf_counter()
         built = self.build(refs, batch)
         running, moved, pixels = self._dispatch(built, t0, 0.0, 0, batch.batch_id, batch.num_minibatches,
                                                 [t0] * self.layout.num_ranks)
-        res = finish_raw(ray.get(running), t0, built.gather_bytes + moved)
-        return dataclasses.replace(res, pixel_nbytes=pixels)
+        traces = ray.get(running)
+        res = dataclasses.replace(finish_raw(traces, t0, built.gather_bytes + moved), pixel_nbytes=pixels)
+        if not self._traced:
+            return res
+        self._rank_events(2, traces)
+        return dataclasses.replace(res, trace=tuple(self._events), t0=t0)
 
     def run_steady(self, batches: Sequence[PassData], iters_per_token: float) -> PassResult:
         refs = [self.stage(d) for d in batches]  # written while generating, before t0 (as for every system)

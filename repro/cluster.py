@@ -1,9 +1,11 @@
 """Cluster table ("transfer-cluster", issue 14): the multimodal handoff measured on one raylet and on a multi-raylet
 Ray cluster, the cluster model fitted to the multi-raylet passes, and the paper's setting projected with it.
 
-``python -m repro.cluster workload=multimodal`` runs, on the same seeded multimodal batches (``MMPasses``), both
-systems -- verl's driver path (``baselines.centralized_system``) and ``knittrans.Handoff`` on Ray
-(``knittrans.bench.KnitTransSystem``) -- in K interleaved raw passes (one batch, no compute):
+``python -m repro.cluster workload=multimodal`` runs, on the same seeded multimodal batches (``MMPasses``), three
+systems -- verl's driver path as the kinder baseline (``baselines.centralized_system``), the faithful verl
+multimodal baseline (``baselines.verl_mm``: per-row dicts of tensors, three dispatches per step) and
+``knittrans.Handoff`` on Ray (``knittrans.bench.KnitTransSystem``) -- in K interleaved raw passes (one batch, no
+compute):
 
 1. **single raylet**: one Ray node, every hop shared memory (what the transfer table measures);
 2. **multi raylet**: ``knittrans.bench.cluster.LocalCluster``: the driver and controller on node 0, each rollout
@@ -39,6 +41,9 @@ from workloads.multimodal_data import MMTransferWorkload
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "cluster_trace.jsonl"
 """A recorded multi-raylet trace (``python -m repro.cluster``'s trace.jsonl): the gate checks the model on it."""
+FIXTURE_VERL = FIXTURE.with_name("cluster_trace_verl.jsonl")
+"""A recorded run with the faithful verl baseline (verl-mm) beside both systems: tests check the model's
+``verl_graph`` and the projection against verl-mm on it."""
 
 
 @dataclass
@@ -116,10 +121,16 @@ def systems_of(cfg: ClusterConfig, layout, session, trace: bool) -> list:  # noq
     from baselines.centralized import CentralizedConfig
     from baselines.centralized_system import CentralizedSystem
     from knittrans.bench import KnitTransSystem
+    from baselines.verl_mm import VerlMMSystem
     from knittrans.handoff import Transport
 
     return [CentralizedSystem("centralized", layout, session, CentralizedConfig(), trace=trace),
-            KnitTransSystem("knittrans-ray", layout, Transport.RAY, multimodal=True, session=session, trace=trace)]
+            KnitTransSystem("knittrans-ray", layout, Transport.RAY, multimodal=True, session=session, trace=trace),
+            VerlMMSystem("verl-mm", layout, session, trace=trace)]
+
+
+GRAPH_OF = {"centralized": "central", "knittrans-ray": "knittrans", "verl-mm": "verl"}
+"""Which task graph of ``knittrans.sim.cluster_model`` replays each system's traced raw pass."""
 
 
 def single_raylet_rows(cfg: ClusterConfig, src) -> list[ClusterPassTrial]:  # noqa: ANN001
@@ -164,11 +175,11 @@ def multi_raylet_trace(cfg: ClusterConfig, src, meta: dict):  # noqa: ANN001, AN
                     s.run_raw(src.make(50 + i, 1))
                 for p in range(cfg.passes):
                     cal[p] = calibrate(cluster.node_ids, sizes, repeats=1)
-                    order = systems[p % 2:] + systems[:p % 2]
+                    order = systems[p % len(systems):] + systems[:p % len(systems)]
                     base = 100 * (p + 1)  # fresh batch ids per pass (data is consumed once)
                     recs = interleaved_passes(order, 1, lambda uid, slot: src.make(base + uid, slot), 1, 0.0,
                                               steady=False, warmup=False)
-                    passes += [RecordedPass(p, r.system, "central" if r.system == "centralized" else "knittrans",
+                    passes += [RecordedPass(p, r.system, GRAPH_OF[r.system],
                                             r.raw.t0, r.raw.raw_s, r.raw.bytes_moved, r.raw.trace,
                                             r.raw.pixel_nbytes) for r in recs]
             finally:
@@ -212,7 +223,7 @@ def rows_from_trace(trace, bandwidths: Sequence[float] = (3.0, 6.25, 12.5, 25.0)
                     knittrans_raw_s=pr.knittrans_raw_s, central_exposed_s=pr.central_exposed_s,
                     knittrans_exposed_s=pr.knittrans_exposed_s, central_train_s=pr.central_train_s,
                     knittrans_train_s=pr.knittrans_train_s, vision_lm_ratio=balance.ratio,
-                    link_latency_s=link.latency_s))
+                    link_latency_s=link.latency_s, verl_raw_s=pr.verl_raw_s, verl_exposed_s=pr.verl_exposed_s))
     return rows
 
 
@@ -245,7 +256,9 @@ def summary_rows(rows: Sequence[Trial]) -> list[dict]:
             out.append({"what": f"MODELLED {r.bandwidth_gbps:g} GB/s R={r.num_ranks} n={r.group_size}",
                         "central_raw_s": r.central_raw_s, "knittrans_raw_s": r.knittrans_raw_s,
                         "transfer_ratio": r.transfer_ratio, "central_train_s": r.central_train_s,
-                        "knittrans_train_s": r.knittrans_train_s, "speedup": r.speedup})
+                        "knittrans_train_s": r.knittrans_train_s, "speedup": r.speedup,
+                        "verl_raw_s": r.verl_raw_s, "transfer_ratio_verl": r.transfer_ratio_verl,
+                        "speedup_verl": r.speedup_verl})
     return out
 
 

@@ -10,10 +10,10 @@ machine's copy capacity); a projection to separate machines leaves it out (None)
 What is measured, never modelled: every CPU phase -- the driver's unpickle and build, the serialization of a
 chunk into an object store, a unit's get and its serialization ("source"), a rank's unpickle and packing, a
 controller claim -- is a ``CpuEvent`` of the recorded trace (``knittrans.dataplane.trace``) and enters the model as
-its measured duration, in the order the system runs it (``central_graph``, ``knittrans_graph``). The model then
-predicts each system's raw transfer time (t0 -> every rank holds every share) by replaying that task graph with
-the flows' durations computed instead of read. The link parameters come from calibration transfers of the same
-run (``fit_link``), never from the systems' own flows.
+its measured duration, in the order the system runs it (``central_graph``, ``verl_graph``, ``knittrans_graph``).
+The model then predicts each system's raw transfer time (t0 -> every rank holds every share) by replaying that
+task graph with the flows' durations computed instead of read. The link parameters come from calibration
+transfers of the same run (``fit_link``), never from the systems' own flows.
 
     >>> link = LinkModel(bandwidth_Bps=1e9, latency_s=0.0)
     >>> done = simulate([Task("a", src="n1", dst="n0", nbytes=10**9), Task("b", src="n2", dst="n0", nbytes=10**9),
@@ -240,6 +240,40 @@ def central_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
     return tasks
 
 
+def verl_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
+    """The faithful verl baseline's raw pass (``baselines.verl_mm``): the gather, unpickle ("deser") and build as
+    ``central_graph``'s, then three dispatches of the same rows in order (keys "d<i>/r<rank>": old log-prob,
+    reference, update). Per dispatch, per rank in order, the driver serializes the rank's chunk ("ser", one after
+    another) and the rank pulls it ("scatter") and splits it ("tail"); after a forward dispatch the driver waits
+    for every rank's tail, then the results' return ("ret") and the union ("union"), all measured, before the
+    next dispatch's serialization. Every CpuEvent's measured duration; every flow's bytes."""
+    cpu = {(e.label, e.key): e for e in events if isinstance(e, CpuEvent)}
+    flows = [e for e in events if isinstance(e, FlowEvent)]
+    gathers = [f for f in flows if f.label == "gather"]
+    tasks = [Task(f"gather{i}", src=f.src, dst=f.dst, nbytes=f.nbytes) for i, f in enumerate(gathers)]
+    tasks += [Task("deser", tuple(t.name for t in tasks), _dur(cpu[("deser", "")])),
+              Task("build", ("deser",), _dur(cpu[("build", "")]))]
+    by_dispatch: dict[str, list[FlowEvent]] = {}
+    for f in flows:
+        if f.label == "scatter":
+            by_dispatch.setdefault(f.key.split("/")[0], []).append(f)
+    prev = "build"
+    for d in sorted(by_dispatch):
+        tails = []
+        for f in sorted(by_dispatch[d], key=lambda f: f.key):
+            k = f.key
+            tasks += [Task(f"ser:{k}", (prev,), _dur(cpu[("ser", k)])),
+                      Task(f"scatter:{k}", (f"ser:{k}",), src=f.src, dst=f.dst, nbytes=f.nbytes),
+                      Task(f"tail:{k}", (f"scatter:{k}",), _dur(cpu[("tail", k)]))]
+            prev = f"ser:{k}"
+            tails.append(f"tail:{k}")
+        if ("ret", d) in cpu:  # a forward dispatch: the driver waits for its results before the next one
+            tasks += [Task(f"ret:{d}", (prev, *tails), _dur(cpu[("ret", d)])),
+                      Task(f"union:{d}", (f"ret:{d}",), _dur(cpu[("union", d)]))]
+            prev = f"union:{d}"
+    return tasks
+
+
 def knittrans_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
     """KnitTrans's raw pass: each rank's prefetcher fetches its shares one after another (keys "r<rank>/s<seq>"):
     the claim ("claim": waits for the admission at t0, then the controller's answer), the request to every unit
@@ -277,7 +311,7 @@ def knittrans_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
     return tasks
 
 
-GRAPHS = {"central": central_graph, "knittrans": knittrans_graph}
+GRAPHS = {"central": central_graph, "verl": verl_graph, "knittrans": knittrans_graph}
 
 
 @dataclass(frozen=True)

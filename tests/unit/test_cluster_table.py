@@ -109,9 +109,60 @@ def test_multi_raylet_passes_record_cross_node_flows_for_both_systems(tmp_path):
                         passes=1, calibration_mib=[2, 8], logger="none")
     trace = multi_raylet_trace(cfg, passes_of(cfg), {"memcpy_gbps": 5.0})
     t = read_trace(write_trace(tmp_path / "trace.jsonl", trace))
-    assert {p.system for p in t.passes} == {"centralized", "knittrans-ray"}
+    assert {p.system for p in t.passes} == {"centralized", "knittrans-ray", "verl-mm"}
+    verl = next(p for p in t.passes if p.system == "verl-mm")  # three dispatches of every rank's chunk
+    scat = [e for e in verl.events if isinstance(e, cluster_model.FlowEvent) and e.label == "scatter"]
+    assert len(scat) == 3 * cfg.num_ranks and {e.key.split("/")[0] for e in scat} == {"d0", "d1", "d2"}
     for p in t.passes:
         flows = [e for e in p.events if isinstance(e, cluster_model.FlowEvent)]
         assert flows and all(f.src != f.dst and f.t_end >= f.t_start for f in flows)
         assert p.raw_s > 0 and sum(f.nbytes for f in flows) >= p.pixel_bytes
     assert all(c.prediction.predicted_s > 0 for c in validate(t))
+
+
+@pytest.fixture(scope="module")
+def verl_rows():
+    from repro.cluster import FIXTURE_VERL, rows_from_trace
+
+    return rows_from_trace(read_trace(FIXTURE_VERL))
+
+
+def test_the_verl_trace_ships_every_ranks_chunk_three_times_from_the_driver():
+    from repro.cluster import FIXTURE_VERL
+
+    t = read_trace(FIXTURE_VERL)
+    nodes = t.meta["nodes"]
+    verl = [p for p in t.passes if p.system == "verl-mm"]
+    assert verl and {p.graph for p in verl} == {"verl"}
+    for p in verl:
+        flows = [e for e in p.events if isinstance(e, cluster_model.FlowEvent)]
+        gather = [f for f in flows if f.label == "gather"]
+        scatter = [f for f in flows if f.label == "scatter"]
+        assert {f.src for f in gather} == set(nodes["units"]) and {f.dst for f in gather} == {nodes["driver"]}
+        assert len(scatter) == 3 * len(nodes["ranks"]) and {f.src for f in scatter} == {nodes["driver"]}
+        # every dispatch ships the rows' pixels again: at least 3x the gathered pixels leave the driver
+        assert sum(f.nbytes for f in scatter) >= p.pixel_bytes
+
+
+def test_model_predicts_the_recorded_verl_passes_within_20_percent():
+    from repro.cluster import FIXTURE_VERL
+
+    errs = fit_errors(validate(read_trace(FIXTURE_VERL)), "verl-mm", "knittrans-ray")
+    assert max(abs(errs[k]) for k in ("verl-mm", "knittrans-ray", "ratio")) <= FIT_BOUND, errs
+
+
+def test_verl_projection_is_decided_on_verl_fit_only_and_grows_with_n(verl_rows):
+    v = verdicts(verl_rows)
+    assert v["cluster_model_fit_error_verl"].status is Status.HOLDS
+    assert v["cluster_projected_transfer_ratio_verl"].status in (Status.HOLDS, Status.FAILS)
+    assert "MODELLED" in v["cluster_projected_transfer_ratio_verl"].measured.note
+    proj = {r.point: r for r in verl_rows if isinstance(r, ClusterProjectionTrial)}
+    b, rk, _ = REGISTERED
+    assert proj[(b, rk, 16)].verl_raw_s > 1.5 * proj[(b, rk, 8)].verl_raw_s  # n copies of every image
+    assert proj[(b, rk, 8)].verl_raw_s > proj[(b, rk, 8)].central_raw_s  # three dispatches, not one
+    drift = [dataclasses.replace(r, predicted_s=1.5 * r.predicted_s)
+             if isinstance(r, ClusterPassTrial) and r.system == "verl-mm" else r for r in verl_rows]
+    v = verdicts(drift)
+    assert v["cluster_model_fit_error_verl"].status is Status.FAILS
+    assert v["cluster_projected_transfer_ratio_verl"].status is Status.NOT_MEASURED
+    assert v["cluster_projected_speedup_verl"].status is Status.NOT_MEASURED
