@@ -25,7 +25,7 @@ from workloads.multimodal_data import producer_of, trajectory_fields
 
 UNITS = {"u0": "n0", "u1": "n1", "u2": "n2"}
 RANKS = ("n0", "n1")
-BATCHES, P, N, M = 3, 4, 4, 2
+BATCHES, P, N, M = 2, 4, 4, 2
 
 
 def _groups():
