@@ -17,7 +17,7 @@ import torch
 from knittrans.admission.minibatch import KnitTransAdmission
 from knittrans.constraints import BatchConstraints
 from knittrans.dataplane.faults import StepLedger
-from knittrans.dataplane.types import MiniBatchKey
+from knittrans.dataplane.types import DataLostError, MiniBatchKey
 from knittrans.mmdedup.plane import IMAGE_FIELD, MMPayload, MMShareLocation, build_mm_inprocess
 from knittrans.types import BatchPlan, GroupSpec, MiniBatch, Trajectory
 from workloads.multimodal import MMWorkloadConfig, MultimodalWorkload
@@ -114,16 +114,18 @@ def test_after_mm_controller_restarts_every_trajectory_trains_once_with_its_imag
     assert dp.journal.size()["events"] == 0 and dp.journal.size()["admitted"] == 0
 
 
+def _blank(t: int, img, grid):  # noqa: ANN001, ANN202
+    f = {"input_ids": np.arange(6), "old_logprobs": np.zeros(2, np.float32), "advantages": np.ones(2, np.float32),
+         "loss_mask": np.ones(2, bool)}
+    return MMPayload(t, f, group=0, encodings=(img,), grids=(grid,))
+
+
 def _blank_pair_plane():
     """The same bytes shown with two grids (56x84 and 84x56), on two units: four trajectories of one group."""
     img = torch.randn(24, 1176)
-    f = {"input_ids": np.arange(6), "old_logprobs": np.zeros(2, np.float32), "advantages": np.ones(2, np.float32),
-         "loss_mask": np.ones(2, bool)}
     dp = build_mm_inprocess(UNITS, ("n0",), recoverable=True)
-    dp.client("u0").put([MMPayload(0, f, group=0, encodings=(img,), grids=((1, 4, 6),)),
-                         MMPayload(1, f, group=0, encodings=(img,), grids=((1, 6, 4),))])
-    dp.client("u1").put([MMPayload(2, f, group=0, encodings=(img.clone(),), grids=((1, 6, 4),)),
-                         MMPayload(3, f, group=0, encodings=(img.clone(),), grids=((1, 4, 6),))])
+    dp.client("u0").put([_blank(0, img, (1, 4, 6)), _blank(1, img, (1, 6, 4))])
+    dp.client("u1").put([_blank(2, img.clone(), (1, 6, 4)), _blank(3, img.clone(), (1, 4, 6))])
     return dp, img
 
 
@@ -158,3 +160,22 @@ def test_a_put_retried_across_a_restart_brings_the_keys_a_rebuild_did_not_see():
     dp.controller.unclaim(key, 0, (IMAGE_FIELD,))
     dp.controller.register(manifests["u0"] + manifests["u1"])  # the producers' retried registers: repeats
     assert sum(len(k) for _, k in dp.controller.claim(key, 0, (IMAGE_FIELD,)).image_sources) == 2
+
+
+def test_a_unit_lost_while_the_mm_controller_was_down_is_reput_with_its_images_and_resolves_right():
+    dp, img = _blank_pair_plane()
+    mb = MiniBatch(0, 0, (0, 1, 2, 3), (0,), 24)
+    dp.controller.admit(mb)
+    dp.units["u1"].clear()  # u1 dies while the controller is down: the rebuild hears from u0 only
+    dp.controller.restore(dp.journal.attach(), {"u0": dp.units["u0"].manifest()})
+    assert sorted(dp.controller.missing()) == [2, 3]
+    with pytest.raises(DataLostError):
+        dp.client().fetch(mb, rank=0)
+    dp.client("u2").put([_blank(2, img.clone(), (1, 6, 4)), _blank(3, img.clone(), (1, 4, 6))])  # the re-put
+    share = dp.client().fetch(mb, rank=0)
+    ids = share.image_ids
+    assert ids[0] == ids[3] and ids[1] == ids[2] and ids[0] != ids[1]
+    assert share.images.grids[ids[0][0]] == (1, 4, 6) and share.images.grids[ids[1][0]] == (1, 6, 4)
+    assert all(torch.equal(p, img) for p in share.images.pixels)
+    assert share.pixel_nbytes == 2 * img.numel() * 4  # the re-put's keys came with it: still each image once
+    assert dp.live_bytes() == 0 and all(u.stats().nbytes == 0 for u in dp.units.values())
