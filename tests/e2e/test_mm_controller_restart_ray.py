@@ -47,10 +47,12 @@ def produce(dp: MMRayDataPlane, puts: list[dict[str, list[MMPayload]]], pace_s: 
 
 
 @ray.remote(num_cpus=0)
-def train(dp: MMRayDataPlane, steps: int):  # noqa: ANN201
-    """Both ranks in one process, in turn at each step (their claims and acks are separate controller calls)."""
+def train(dp: MMRayDataPlane, steps: int, step_s: float):  # noqa: ANN201
+    """Both ranks in one process, in turn at each step (their claims and acks are separate controller calls); an
+    optimizer step takes ``step_s``, so claims are still to come when the driver sees a version and kills."""
     client, out = dp.client(), {r: [] for r in range(len(RANKS))}
     for seq in range(steps):
+        time.sleep(step_s)
         for rank in out:
             share = client.fetch_next(seq, rank, timeout=60)
             ids = share.image_ids
@@ -91,14 +93,19 @@ def test_a_killed_mm_controller_actor_is_rebuilt_and_every_trajectory_trains_onc
                     encodings=tuple(g.images[j].pixel_values for j in s.image_index),
                     grids=tuple(g.images[j].grid_thw for j in s.image_index)))
             puts.append(by_unit)
-        ranks = train.remote(dp, BATCHES * M)
-        prods = produce.remote(dp, puts, 0.1)
-        restarts = 0
-        for at_version in (1, 2, 4):  # mid-run: producers putting, ranks claiming, fetching and acking
-            _wait(lambda: dp.controller.version >= at_version)
-            restarts = dp.restart_controller()
-        assert restarts == 3
+        ranks = train.remote(dp, BATCHES * M, 0.8)
+        prods = produce.remote(dp, puts, 0.05)
+        # 1: mid-run (producers putting, ranks stepping); 2 and 3: every put done, so the rebuilt controller knows
+        # the groups and image keys of the steps still to come only from the units' manifests
+        _wait(lambda: dp.controller.version >= 1)
+        before = [dp.controller.version]
+        dp.restart_controller()
         assert ray.get(prods, timeout=60) == len(sample)
+        for at_version in (2, 4):
+            _wait(lambda: dp.controller.version >= at_version)
+            before.append(dp.controller.version)
+            restarts = dp.restart_controller()
+        assert restarts == 3 and before[-1] < BATCHES * M  # the last kill too came before the last step
         got = ray.get(ranks, timeout=60)
         trained = []
         for shares in got:
