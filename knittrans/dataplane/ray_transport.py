@@ -157,8 +157,8 @@ class ControllerActor:
                  controller_cls: type[Controller] = Controller,  # a subclass: knittrans.mmdedup.plane
                  policy: "AdmissionPolicy | None" = None, journal: "RayJournal | None" = None) -> None:
         # unit_actors: handles, or names when the actor is restartable (``_resolve``)
-        extra = (journal,) if journal is not None else ()
-        self.ctrl = controller_cls(schema, unit_nodes, config, policy, *extra)
+        extra = {"journal": journal} if journal is not None else {}  # by keyword: subclasses add parameters
+        self.ctrl = controller_cls(schema, unit_nodes, config, policy, **extra)
         self.unit_actors = {u: _resolve(a) for u, a in unit_actors.items()}
         self._drops: list[tuple[str, ray.ObjectRef]] = []  # drops sent and not yet confirmed
         self._drops_lock = threading.Lock()
@@ -523,6 +523,37 @@ class RayDataPlane:
                 ray.kill(self.journal_actor)
 
 
+def check_restarts(who: str, controller_restarts: object) -> None:
+    if isinstance(controller_restarts, bool) or not isinstance(controller_restarts, int) or controller_restarts < 0:
+        raise ValueError(f"{who}: controller_restarts must be an int >= 0, got {controller_restarts!r}")
+
+
+def start_actors(schema: TrajectorySchema, unit_nodes: Mapping[str, str], cfg: ControllerConfig,
+                 unit_actor, unit_args, controller_cls, policy,  # noqa: ANN001 - actor class, callables, a policy
+                 controller_restarts: int, controller_node: str | None):  # noqa: ANN201
+    """Start one unit actor per unit (``unit_actor.remote(*unit_args(unit_id, node))``, pinned to its node when
+    the node is a Ray node id) and the ``ControllerActor`` running ``controller_cls``. With ``controller_restarts``
+    the actors are named (a plane-unique prefix: a restarted controller finds its units and journal by name, see
+    ``_resolve``), a ``JournalActor`` is started and the controller is restartable. Returns (controller actor,
+    unit actors, journal actor or None). Shared by ``build_ray`` and ``knittrans.mmdedup.plane_ray``."""
+    plane = f"knittrans-{uuid.uuid4().hex[:12]}"
+    units, names = {}, {}
+    for u, node in unit_nodes.items():
+        strategy = _node_affinity(node)
+        opts: dict = {"scheduling_strategy": strategy} if strategy is not None else {}
+        names[u] = f"{plane}-unit-{u}"
+        units[u] = unit_actor.options(name=names[u], **opts).remote(*unit_args(u, node))
+    journal = JournalActor.options(name=f"{plane}-journal").remote() if controller_restarts else None
+    if controller_restarts:
+        ctrl = ControllerActor.options(max_restarts=controller_restarts, max_task_retries=-1,
+                                       **controller_options(controller_node)).remote(
+            schema, dict(unit_nodes), cfg, names, controller_cls, policy, RayJournal(f"{plane}-journal"))
+    else:
+        ctrl = ControllerActor.options(**controller_options(controller_node)).remote(
+            schema, dict(unit_nodes), cfg, units, controller_cls, policy)
+    return ctrl, units, journal
+
+
 def build_ray(schema: TrajectorySchema, unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...],
               balance_slack: float = 0.05, equal_counts: bool = True,
               prepare: PrepareConfig | None = None, checksums: bool = False,
@@ -538,25 +569,11 @@ def build_ray(schema: TrajectorySchema, unit_nodes: Mapping[str, str], rank_node
     to pin the controller actor to (None, or a label that is no live node id: Ray places it)."""
     if not ray.is_initialized():
         raise RuntimeError("build_ray: call ray.init(...) first (see the module docstring for clusters)")
-    if isinstance(controller_restarts, bool) or not isinstance(controller_restarts, int) or controller_restarts < 0:
-        raise ValueError(f"build_ray: controller_restarts must be an int >= 0, got {controller_restarts!r}")
+    check_restarts("build_ray", controller_restarts)
     cfg = ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts)
-    plane = f"knittrans-{uuid.uuid4().hex[:12]}"  # names this plane's actors (a restarted controller finds them)
-    units, names = {}, {}
-    for u, node in unit_nodes.items():
-        strategy = _node_affinity(node)
-        opts: dict = {"scheduling_strategy": strategy} if strategy is not None else {}
-        names[u] = f"{plane}-unit-{u}"
-        units[u] = StorageUnitActor.options(name=names[u], **opts).remote(u, node, schema,
-                                                                         faults.for_unit(u) if faults else ())
-    journal = JournalActor.options(name=f"{plane}-journal").remote() if controller_restarts else None
-    if controller_restarts:
-        ctrl = ControllerActor.options(max_restarts=controller_restarts, max_task_retries=-1,
-                                       **controller_options(controller_node)).remote(
-            schema, dict(unit_nodes), cfg, names, Controller, policy, RayJournal(f"{plane}-journal"))
-    else:
-        ctrl = ControllerActor.options(**controller_options(controller_node)).remote(
-            schema, dict(unit_nodes), cfg, units, Controller, policy)
+    ctrl, units, journal = start_actors(schema, unit_nodes, cfg, StorageUnitActor,
+                                        lambda u, node: (u, node, schema, faults.for_unit(u) if faults else ()),
+                                        Controller, policy, controller_restarts, controller_node)
     dp = RayDataPlane(schema, ctrl, units, prepare or PrepareConfig(), checksums, read_timeout_s, journal)
     ray.get([ctrl.stats.remote(), *(a.stats.remote() for a in units.values())])  # wait until all are up
     return dp

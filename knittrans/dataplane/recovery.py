@@ -23,10 +23,13 @@ commits that the journal lacks (the controller died between a completion and its
 
 Memory: the journal holds what is in flight (unreleased mini-batches, the policy inputs of unfinished batches), the
 released ids as ranges, one key per step, and the records if kept -- the same bound as the controller's own state.
-Not covered: the journal's own loss (on Ray its actor has no restart: it is the one piece to keep alive), the
-multimodal controller's encoding references. A trajectory never admitted nor completed that sat on a unit lost
-while the controller was down is unknown to the rebuilt controller (no unit reports it): ``Controller.untracked``
-names it, and a producer that keeps payloads until release re-puts it (``ProducerBuffer.reput_missing``).
+The multimodal controller's own state (``MMController``: each trajectory's group and its images' content keys) is
+not journaled: the units re-report it with their manifests (``MMStorageUnit.manifest``), the encodings stay in the
+units' stores, and which unit ships each distinct image is chosen at every claim from those keys.
+Not covered: the journal's own loss (on Ray its actor has no restart: it is the one piece to keep alive). A
+trajectory never admitted nor completed that sat on a unit lost while the controller was down is unknown to the
+rebuilt controller (no unit reports it): ``Controller.untracked`` names it, and a producer that keeps payloads
+until release re-puts it (``ProducerBuffer.reput_missing``).
 """
 
 from __future__ import annotations
@@ -249,6 +252,7 @@ def rebuild(ctrl: "Controller", state: JournalState, manifests: Mapping[str, Seq
     for t, r in best.items():
         ctrl._trajs[t] = _TrajState(r.unit_id, {fm.name: fm.nbytes for fm in r.fields}, r.num_tokens,
                                     checksums={fm.name: fm.checksum for fm in r.fields if fm.checksum is not None})
+    ctrl._registered_locked(tuple(best.values()))  # a subclass's per-trajectory state (MMController: groups, keys)
     # 2. the unreleased admitted mini-batches, as journaled (shares are never re-assigned)
     for adm, t_admit in state.admitted:
         acked = set(state.acked.get(adm.key, ()))

@@ -95,7 +95,7 @@ class ReadTimeoutError(DataPlaneError):
 
 class ControllerLostError(DataPlaneError):
     """The controller (on Ray: its actor) died and was not restarted: built without a journal
-    (``build_ray(controller_restarts=0)``, the multimodal plane) or its restarts are used up. A controller with a
+    (``build_ray`` or ``build_mm_ray`` with ``controller_restarts=0``) or its restarts are used up. A controller with a
     journal is restarted and rebuilt instead (``knittrans.dataplane.recovery``, docs/reliability.md)."""
 
 

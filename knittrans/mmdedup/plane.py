@@ -64,6 +64,7 @@ from knittrans.dataplane.buffers import aligned
 from knittrans.dataplane.client import DataPlaneClient, PrepareConfig, pack_share
 from knittrans.dataplane.controller import Controller, ControllerConfig
 from knittrans.dataplane.inprocess import InProcessDataPlane
+from knittrans.dataplane.recovery import ControllerJournal
 from knittrans.dataplane.storage import StorageUnit, validate_payload
 from knittrans.dataplane.types import (DataPlaneError, DuplicatePutError, FieldSpec, MiniBatchKey, PackedShare,
                                        PutRecord, SchemaMismatchError, ShareLocation, TrajectoryPayload,
@@ -178,6 +179,7 @@ class MMStorageUnit(StorageUnit):
         super().__init__(unit_id, node, schema)
         self.store = EncodingStore(hash_fn, dedup=dedup)
         self._occ: dict[int, tuple[tuple[EncodingRef, tuple[int, int, int]], ...]] = {}
+        self._group: dict[int, int] = {}  # trajectory -> its GRPO group (re-reported by ``manifest``)
         self._occ_lock = threading.Lock()
 
     def put(self, payloads: Sequence[TrajectoryPayload]) -> list[PutRecord]:
@@ -243,6 +245,11 @@ class MMStorageUnit(StorageUnit):
         if raced:
             self.store.release(raced)
         groups = {p.traj_id: p.group for p in payloads if isinstance(p, MMPayload)}
+        with self._occ_lock:  # kept for ``manifest``: the payload's group, else its metadata's
+            for p in payloads:
+                g = p.group if isinstance(p, MMPayload) and p.group >= 0 else getattr(p.meta, "group_id", None)
+                if g is not None and g >= 0:
+                    self._group.setdefault(p.traj_id, int(g))
         return [MMPutRecord(**{f.name: getattr(r, f.name) for f in dc_fields(r)}, group=groups.get(r.traj_id),
                             images=images.get(r.traj_id)) for r in records]
 
@@ -308,8 +315,27 @@ class MMStorageUnit(StorageUnit):
         if fields is None or IMAGE_FIELD in fields:
             with self._occ_lock:
                 refs = [ref for t in traj_ids for ref, _ in self._occ.pop(t, ())]
+                for t in traj_ids:
+                    self._group.pop(t, None)
             self.store.release(refs)
         return freed
+
+    def manifest(self) -> list[PutRecord]:
+        """``StorageUnit.manifest`` as ``MMPutRecord``s: each trajectory's group and its images' content keys too,
+        so a restarted ``MMController`` keeps groups whole and names one unit per distinct image again (the keys
+        are recomputed from the stored bytes: the strong digest, cached per slot). A trajectory whose images are
+        still being recorded by a concurrent put is reported without keys; the put's own register brings them."""
+        records = super().manifest()
+        with self._occ_lock:
+            occ = {r.traj_id: self._occ.get(r.traj_id) for r in records}
+            groups = {r.traj_id: self._group.get(r.traj_id) for r in records}
+        out = []
+        for r in records:
+            o = occ[r.traj_id]
+            images = tuple(self._image_key(ref, g) for ref, g in o) if o is not None and self.store.dedup else None
+            out.append(MMPutRecord(**{f.name: getattr(r, f.name) for f in dc_fields(r)}, group=groups[r.traj_id],
+                                   images=images))
+        return out
 
     def clear(self) -> int:
         """Forget everything (the unit was lost, see ``StorageUnit.clear``), images included."""
@@ -317,6 +343,7 @@ class MMStorageUnit(StorageUnit):
         with self._occ_lock:
             refs = [ref for occ in self._occ.values() for ref, _ in occ]
             self._occ.clear()
+            self._group.clear()
         self.store.release(refs)
         return freed
 
@@ -330,13 +357,27 @@ class MMController(Controller):
     ranks in equal counts (or with trajectories of unknown group) is split per trajectory as usual."""
 
     def __init__(self, schema: TrajectorySchema, unit_nodes: Mapping[str, str], config: ControllerConfig,
-                 policy: "AdmissionPolicy | None" = None, cross_unit: bool = True) -> None:
+                 policy: "AdmissionPolicy | None" = None, cross_unit: bool = True,
+                 journal: "ControllerJournal | None" = None) -> None:
         """``cross_unit`` False: claims name no image sources, so each unit ships every distinct image it holds
-        (dedup within a unit only: the plain twin of the cross-unit path)."""
-        super().__init__(schema, unit_nodes, config, policy)
+        (dedup within a unit only: the plain twin of the cross-unit path). ``journal``: as ``Controller``'s; the
+        multimodal state (groups, content keys) is not journaled: a restart rebuilds it from the units'
+        manifests (``MMStorageUnit.manifest``) and re-puts, and image sources are chosen at each claim from it."""
         self.cross_unit = cross_unit
+        super().__init__(schema, unit_nodes, config, policy, journal)
+
+    def _reset_state(self) -> None:
+        super()._reset_state()
         self._group: dict[int, int] = {}
         self._images: dict[int, tuple[ImageKey, ...]] = {}  # trajectory -> its images' content keys
+
+    def _strip_repeats_locked(self, records: Sequence[PutRecord]) -> list[PutRecord]:
+        # A repeated put (a register retried across a restart) is stripped before ``_registered_locked`` sees it,
+        # but still carries the group and keys of a trajectory this controller holds on that unit: note them (a
+        # rebuilt controller lacks the keys of a trajectory whose put was in flight when the unit reported).
+        self._registered_locked([r for r in records if (st := self._trajs.get(r.traj_id)) is not None
+                                 and st.unit_id == r.unit_id])
+        return super()._strip_repeats_locked(records)
 
     def _registered_locked(self, records: Sequence[PutRecord]) -> None:
         for r in records:  # before admission runs on them, so shares keep these groups whole
@@ -505,12 +546,18 @@ def build_mm_inprocess(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...
                        hash_fn: HashFn = encoding_hash_fn, balance_slack: float = 0.05, equal_counts: bool = True,
                        prepare: PrepareConfig | None = None,
                        policy: "AdmissionPolicy | None" = None, dedup: bool = True,
-                       cross_unit: bool = True, read_timeout_s: float | None = 300.0) -> MMInProcessDataPlane:
+                       cross_unit: bool = True, read_timeout_s: float | None = 300.0,
+                       recoverable: bool = False) -> MMInProcessDataPlane:
     """``build_inprocess`` with ``MMStorageUnit``s and the group-keeping ``MMController`` (admitting through
     ``policy`` when given, as ``knittrans.handoff`` does). ``dedup`` False: units store and move every image
     occurrence (the plain twin); ``cross_unit`` False: dedup within each unit only (``MMController``).
-    ``read_timeout_s``: ``InProcessDataPlane.read_timeout_s``."""
+    ``read_timeout_s``: ``InProcessDataPlane.read_timeout_s``; ``recoverable``: as ``build_inprocess``'s (the
+    controller journals, ``restart_controller`` rebuilds it from the journal and the units' manifests)."""
+    journal = ControllerJournal() if recoverable else None
+    if journal is not None:
+        journal.attach()  # the first controller: nothing to recover
     ctrl = MMController(schema, unit_nodes, ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts), policy,
-                        cross_unit)
+                        cross_unit=cross_unit, journal=journal)
     units = {u: MMStorageUnit(u, n, schema, hash_fn, dedup) for u, n in unit_nodes.items()}
-    return MMInProcessDataPlane(schema, ctrl, units, prepare or PrepareConfig(), read_timeout_s=read_timeout_s)
+    return MMInProcessDataPlane(schema, ctrl, units, prepare or PrepareConfig(), read_timeout_s=read_timeout_s,
+                                journal=journal)

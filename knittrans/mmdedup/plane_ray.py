@@ -21,8 +21,7 @@ import ray
 
 from knittrans.dataplane.client import PrepareConfig
 from knittrans.dataplane.controller import ControllerConfig
-from knittrans.dataplane.ray_transport import (ControllerActor, RayDataPlane, UnitHost, _node_affinity,
-                                               controller_options)
+from knittrans.dataplane.ray_transport import RayDataPlane, UnitHost, check_restarts, start_actors
 from knittrans.dataplane.types import TrajectorySchema, UnitChunk
 from knittrans.mmdedup.keys import HashFn, ImageKey, encoding_hash_fn
 from knittrans.mmdedup.plane import MM_SCHEMA, MMClient, MMController, MMStorageUnit, as_mm_client
@@ -70,22 +69,21 @@ def build_mm_ray(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], sch
                  hash_fn: HashFn = encoding_hash_fn, balance_slack: float = 0.05, equal_counts: bool = True,
                  prepare: PrepareConfig | None = None, policy=None,  # noqa: ANN001 - an AdmissionPolicy
                  dedup: bool = True, cross_unit: bool = True, read_timeout_s: float | None = 300.0,
-                 controller_node: str | None = None) -> MMRayDataPlane:
+                 controller_node: str | None = None, controller_restarts: int = 8) -> MMRayDataPlane:
     """``build_ray`` with ``MMStorageUnitActor``s and the ``MMController``. Ray must already be initialized.
     ``dedup`` False: units store and move every image occurrence (the plain twin); ``cross_unit`` False: dedup
-    within each unit only. ``read_timeout_s``: ``RayDataPlane.read_timeout_s``; ``controller_node``: as
-    ``build_ray``'s."""
+    within each unit only. ``read_timeout_s``: ``RayDataPlane.read_timeout_s``; ``controller_node`` and
+    ``controller_restarts``: as ``build_ray``'s (a restarted controller rebuilds its groups and content keys from
+    the units' manifests, ``MMStorageUnit.manifest``; 0: a dead controller raises ``ControllerLostError``)."""
     if not ray.is_initialized():
         raise RuntimeError("build_mm_ray: call ray.init(...) first")
+    check_restarts("build_mm_ray", controller_restarts)
     cfg = ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts)
-    units = {}
-    for u, node in unit_nodes.items():
-        strategy = _node_affinity(node)
-        opts = {"scheduling_strategy": strategy} if strategy is not None else {}
-        units[u] = MMStorageUnitActor.options(**opts).remote(u, node, schema, hash_fn, dedup)
     ctrl_cls = MMController if cross_unit else functools.partial(MMController, cross_unit=False)
-    ctrl = ControllerActor.options(**controller_options(controller_node)).remote(schema, dict(unit_nodes), cfg,
-                                                                                units, ctrl_cls, policy)
-    dp = MMRayDataPlane(schema, ctrl, units, prepare or PrepareConfig(), read_timeout_s=read_timeout_s)
+    ctrl, units, journal = start_actors(schema, unit_nodes, cfg, MMStorageUnitActor,
+                                        lambda u, node: (u, node, schema, hash_fn, dedup), ctrl_cls, policy,
+                                        controller_restarts, controller_node)
+    dp = MMRayDataPlane(schema, ctrl, units, prepare or PrepareConfig(), read_timeout_s=read_timeout_s,
+                        journal_actor=journal)
     ray.get([ctrl.stats.remote(), *(a.stats.remote() for a in units.values())])  # wait until all are up
     return dp
