@@ -352,7 +352,9 @@ def gate_trials(table: str, passes: int = 3) -> list[TransferTrialBase]:
     KnitTrans beside the pair and a raw pass per system (the get-bandwidth claims). Multimodal: 16 prompts x n=16
     with one 224px image each (19 MB distinct, 0.3 GB with one copy per sample: pixel bytes dominate, as at scale,
     so the raw ratio reflects dedup more than round trips), M=2, steady passes and 3 raw passes per pass (their
-    median). ``passes``: K (injected-regression tests run fewer)."""
+    median), group placement as when the bounds were set (spread, the table's default, adds a unit and its round
+    trips to each share on one machine; the table reports it). ``passes``: K (injected-regression tests run
+    fewer)."""
     pair = [System.CENTRALIZED.value, System.KNITTRANS_RAY.value]
     if table == "transfer-text":  # + in-process KnitTrans and raw passes: the get-bandwidth gates
         cfg = TransferConfig(workload="text", text=TextWorkload(prompts_per_batch=32), num_batches=3,
@@ -361,7 +363,8 @@ def gate_trials(table: str, passes: int = 3) -> list[TransferTrialBase]:
     elif table == "transfer-multimodal":
         cfg = TransferConfig(workload="multimodal", systems=pair, num_batches=3, num_minibatches=2, lead_steps=2,
                              raw_repeats=3, passes=passes,
-                             multimodal=MMTransferWorkload(prompts_per_batch=16, group_size=16, image_side=224),
+                             multimodal=MMTransferWorkload(prompts_per_batch=16, group_size=16, image_side=224,
+                                                           placement="group"),
                              compute_s_per_minibatch=0.25, logger="none")
     else:
         raise ValueError(f"repro.transfer gates transfer-text and transfer-multimodal, not {table!r}")
