@@ -176,14 +176,6 @@ class Projection:
     """The faithful verl baseline (``verl_graph``), when the trace measured its phases: raw and exposed."""
     verl_exposed_s: float | None = None
 
-    @property
-    def transfer_ratio(self) -> float:
-        return self.central_raw_s / self.knittrans_raw_s
-
-    @property
-    def speedup(self) -> float:
-        return (self.central_exposed_s + self.central_train_s) / (self.knittrans_exposed_s + self.knittrans_train_s)
-
 
 def project(s: PaperSetting, costs: PhaseCosts, link: LinkModel, balance: StepBalance) -> Projection:
     """Both systems' raw transfer, exposed transfer and training per batch at ``s`` (see the module docstring)."""
