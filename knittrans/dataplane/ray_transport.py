@@ -27,6 +27,7 @@ other node string is a logical label (one machine, several "nodes"), which is ho
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import uuid
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import ray
 
 from knittrans.dataplane import trace
+from knittrans.dataplane.wire import WireList, unwrap
 from knittrans.dataplane.client import DataPlaneClient, PrepareConfig
 from knittrans.dataplane.controller import Controller, ControllerConfig, ControllerStats, HandoffRecord
 from knittrans.dataplane.buffers import BufferPool
@@ -65,15 +67,19 @@ class UnitHost:
 
             self.unit = FaultyUnit(self.unit, faults)
 
-    def put(self, payloads: Sequence[TrajectoryPayload]) -> list[PutRecord]:
-        return self.unit.put(payloads)
+    def put(self, payloads: Sequence[TrajectoryPayload] | WireList) -> WireList:
+        """``StorageUnit.put``; payloads and records travel in their compact wire form (``wire``)."""
+        return WireList(self.unit.put(unwrap(payloads)))
 
     def get(self, traj_ids: Sequence[int], fields: Sequence[str]) -> UnitChunk:
         """The unit's rows packed into one of this actor's reused buffers (``storage.packed_chunk``): Ray then
         copies a few contiguous arrays into the object store, and the rank maps them without a copy."""
+        return self._packed(self.unit.get(traj_ids, fields))
+
+    def _packed(self, chunk: UnitChunk) -> UnitChunk:
         if not hasattr(self, "_pool"):
             self._pool = BufferPool(max_buffers=8)  # one per concurrent get (the actor's max_concurrency)
-        return packed_chunk(self.unit.get(traj_ids, fields), self._pool)
+        return packed_chunk(chunk, self._pool)
 
     def drop(self, traj_ids: Sequence[int], fields: Sequence[str] | None = None) -> int:
         return self.unit.drop(traj_ids, fields)
@@ -115,42 +121,95 @@ def _resolve(actor: "ray.actor.ActorHandle | str") -> "ray.actor.ActorHandle":
     return ray.get_actor(actor) if isinstance(actor, str) else actor
 
 
-@dataclass(frozen=True)
 class RayJournal:
-    """The controller's view of a ``JournalActor`` (named: see ``_resolve``): every write waits for the journal's
-    reply (write-ahead)."""
+    """The controller's view of a ``JournalActor`` (named: see ``_resolve``), with group commit. The controller
+    writes under its lock; a write here only queues the entry (in the lock's order), and ``flush`` sends every
+    entry queued so far in one call and waits for the journal's reply. ``ControllerActor`` flushes before every
+    reply, so nothing a caller is told (an admission, a claim, an ack taken) is unjournaled: write-ahead as
+    before, without a journal round trip inside the controller's lock (which stalled every other call, e.g. a
+    rank's claim behind a producer's completing put, by one round trip per admission). Flushes are serialized,
+    so the journal applies entries in the order the controller wrote them."""
 
-    name: str
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._pending: list[tuple[str, tuple]] = []
+        self._queued = 0  # entries queued so far
+        self._sent = 0  # entries the journal has confirmed
+        self._broken: RecoveryError | None = None
+        self._queue_lock = threading.Lock()
+        self._flush_lock = threading.Lock()
+
+    def __reduce__(self):  # noqa: ANN204 - travels to the controller actor by name only
+        return (RayJournal, (self.name,))
 
     @cached_property
     def actor(self) -> "ray.actor.ActorHandle":
         return _resolve(self.name)
 
+    def _queue(self, method: str, *args: object) -> None:
+        with self._queue_lock:
+            self._pending.append((method, args))
+            self._queued += 1
+
+    def flush(self) -> None:
+        """Block until every entry queued before this call is in the journal (one call carries all of them;
+        a flush that finds its entries sent by a concurrent one returns without a call)."""
+        with self._queue_lock:
+            target = self._queued
+        with self._flush_lock:
+            if self._broken is not None:
+                raise self._broken
+            if self._sent >= target:
+                return
+            with self._queue_lock:
+                batch, self._pending, upto = self._pending, [], self._queued
+            try:
+                _journal_call(self.actor.write.remote(batch))
+            except RecoveryError as e:
+                self._broken = e
+                raise
+            self._sent = upto
+
     def batch(self, plan: BatchPlan, planned: int) -> None:
-        _journal_call(self.actor.batch.remote(plan, planned))
+        self._queue("batch", plan, planned)
 
     def complete(self, event: CompleteEvent, completed: int) -> None:
-        _journal_call(self.actor.complete.remote(event, completed))
+        self._queue("complete", event, completed)
 
     def admit(self, adm: AdmittedMiniBatch, t_admit: float) -> None:
-        _journal_call(self.actor.admit.remote(adm, t_admit))
+        self._queue("admit", adm, t_admit)
 
     def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str], released: Released | None = None) -> None:
-        _journal_call(self.actor.ack.remote(key, rank, tuple(fields), released))
+        self._queue("ack", key, rank, tuple(fields), released)
 
     def epoch(self, rank: int, epoch: int) -> None:
-        _journal_call(self.actor.epoch.remote(rank, epoch))
+        self._queue("epoch", rank, epoch)
 
     def seal(self) -> None:
-        _journal_call(self.actor.seal.remote())
+        self._queue("seal")
 
     def count(self, name: str, value: int) -> None:
-        _journal_call(self.actor.count.remote(name, value))
+        self._queue("count", name, value)
 
 
-@ray.remote(num_cpus=0, max_concurrency=64)
-class ControllerActor:
-    """A ``Controller`` in its own process; threaded so blocking waits do not serialize other calls."""
+def _flushing(method):  # noqa: ANN001, ANN202
+    """A ``ControllerActor`` method that flushes the journal before it answers (also when it raises: a call may
+    change state before it fails)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if self._journal is not None:
+                self._journal.flush()
+
+    return wrapper
+
+
+class ControllerHost:
+    """The body of ``ControllerActor``: a ``Controller`` in its own process; threaded so blocking waits do not
+    serialize other calls. Every public method flushes the journal before it answers (``RayJournal``)."""
 
     def __init__(self, schema: TrajectorySchema, unit_nodes: Mapping[str, str], config: ControllerConfig,
                  unit_actors: Mapping[str, "ray.actor.ActorHandle"],
@@ -162,10 +221,12 @@ class ControllerActor:
         self.unit_actors = {u: _resolve(a) for u, a in unit_actors.items()}
         self._drops: list[tuple[str, ray.ObjectRef]] = []  # drops sent and not yet confirmed
         self._drops_lock = threading.Lock()
+        self._journal = journal
         if journal is not None:
             state = ray.get(journal.actor.attach.remote())
             if state is not None:  # Ray restarted this actor: rebuild from the journal and the units
                 self._restore(state)
+            journal.flush()
 
     def _restore(self, state: JournalState) -> None:
         refs = {u: a.manifest.remote() for u, a in self.unit_actors.items()}
@@ -178,8 +239,8 @@ class ControllerActor:
         for unit_id, ts in self.ctrl.restore(state, manifests).items():  # released before the restart: drop now
             self._drops.append((unit_id, self.unit_actors[unit_id].drop.remote(tuple(ts))))
 
-    def register(self, records: Sequence[PutRecord]) -> tuple[int, ...]:
-        return self.ctrl.register(records)
+    def register(self, records: Sequence[PutRecord] | WireList) -> tuple[int, ...]:
+        return self.ctrl.register(unwrap(records))
 
     def admit(self, mb: MiniBatch) -> AdmittedMiniBatch:
         return self.ctrl.admit(mb)
@@ -203,7 +264,10 @@ class ControllerActor:
         drops happen under one lock that ``wait_drained`` also takes: a caller that saw the version advance
         (``wait_version``) and then waits for the drops always finds this mini-batch's among them."""
         with self._drops_lock:
-            for unit_id, ts in self.ctrl.ack(key, rank, fields, epoch):
+            drops = self.ctrl.ack(key, rank, fields, epoch)
+            if drops and self._journal is not None:
+                self._journal.flush()  # the release is journaled before any unit drops its bytes
+            for unit_id, ts in drops:
                 self._drops.append((unit_id, self.unit_actors[unit_id].drop.remote(ts)))
 
     def wait_drained(self, timeout: float | None = None) -> int:
@@ -272,6 +336,13 @@ class ControllerActor:
         return self.ctrl.wait_released(count, timeout)
 
 
+for _name, _fn in list(vars(ControllerHost).items()):
+    if callable(_fn) and not _name.startswith("_"):
+        setattr(ControllerHost, _name, _flushing(_fn))
+
+ControllerActor = ray.remote(num_cpus=0, max_concurrency=64)(ControllerHost)
+
+
 def _call(ref: "ray.ObjectRef", unit_id: str | None = None, timeout: float | None = None):  # noqa: ANN202
     """``ray.get`` that re-raises a data-plane error raised inside an actor as itself (same class, same
     message), so callers catch ``AlreadyConsumedError`` etc. on every transport alike. A storage unit's actor
@@ -300,7 +371,7 @@ class RayControllerProxy:
     actor: "ray.actor.ActorHandle"
 
     def register(self, records: Sequence[PutRecord]) -> tuple[int, ...]:
-        return _call(self.actor.register.remote(records))
+        return _call(self.actor.register.remote(WireList(records)))
 
     def admit(self, mb: MiniBatch) -> AdmittedMiniBatch:
         return _call(self.actor.admit.remote(mb))
@@ -382,7 +453,7 @@ class RayUnitProxy:
     read_timeout_s: float | None = 300.0  # a unit hung in get raises ReadTimeoutError instead of blocking a rank
 
     def put(self, payloads: Sequence[TrajectoryPayload]) -> list[PutRecord]:
-        return _call(self.actor.put.remote(list(payloads)), self.unit_id)
+        return unwrap(_call(self.actor.put.remote(WireList(payloads)), self.unit_id))
 
     def get(self, traj_ids: Sequence[int], fields: Sequence[str]) -> UnitChunk:
         return _call(self.actor.get.remote(tuple(traj_ids), tuple(fields)), self.unit_id, self.read_timeout_s)

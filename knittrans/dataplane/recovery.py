@@ -178,6 +178,17 @@ class ControllerJournal:
         with self._lock:
             self._counters[name] = value
 
+    WRITES = ("batch", "complete", "admit", "ack", "epoch", "seal", "count")
+    """The controller's write methods (what ``write`` applies)."""
+
+    def write(self, entries: Sequence[tuple[str, tuple]]) -> None:
+        """Apply queued writes in order: ``(method, args)`` pairs, each method one of ``WRITES`` (a Ray controller
+        sends what it wrote under its lock in one call before it answers: ``ray_transport.RayJournal``)."""
+        for name, args in entries:
+            if name not in self.WRITES:
+                raise ValueError(f"not a journal write: {name!r} (one of {self.WRITES})")
+            getattr(self, name)(*args)
+
     # -- read by a (re)starting controller ------------------------------------------------------------------
 
     def attach(self) -> JournalState | None:
