@@ -39,8 +39,11 @@ class MMUnitHost(UnitHost):
 
     def get(self, traj_ids: Sequence[int], fields: Sequence[str],
             serve: Collection[ImageKey] | None = None) -> UnitChunk:
-        """``MMStorageUnit.get`` (``serve``: the images this unit ships for the share, the claim's choice)."""
-        return self.unit.get(traj_ids, fields, serve)
+        """``MMStorageUnit.get`` (``serve``: the images this unit ships for the share, the claim's choice), its
+        rows packed into one of this actor's reused buffers as ``UnitHost.get`` does: one small array per
+        trajectory and field (5 x 64 per share here) costs Ray far more to serialize and map than a few packed
+        arrays (the multimodal raw pass took ~25 ms longer with rows: ``docs/experiments.md``)."""
+        return self._packed(self.unit.get(traj_ids, fields, serve))
 
     def store_stats(self) -> StoreStats:
         return self.unit.store_stats()
