@@ -25,6 +25,7 @@ Example (in-process)::
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
@@ -206,6 +207,8 @@ class DataPlaneClient:
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     getter: UnitGetter | None = None  # None: read units one after another (fine in-process)
     last_timing: FetchTiming | None = None
+    """The last fetch's timing (of any thread; a thread reads its own with ``thread_timing``)."""
+    _timings: dict = field(default_factory=dict, init=False, repr=False)  # thread id -> its last FetchTiming
     pool: BufferPool | None = field(default=None, init=False, repr=False)
     """Where shares are packed (``PrepareConfig.reuse_buffers``): the fetching process's pool, looked up on first
     use (it pickles empty)."""
@@ -288,6 +291,10 @@ class DataPlaneClient:
         loc = self.controller.claim_next(seq, rank, names, timeout, epoch)
         return self._deliver(loc, t0, ack)
 
+    def thread_timing(self) -> FetchTiming | None:
+        """The timing of this thread's last fetch (a prefetcher's workers fetch concurrently)."""
+        return self._timings.get(threading.get_ident())
+
     def ack(self, share: PackedShare) -> None:
         """Acknowledge a share fetched with ``ack=False`` (the rank has stepped on it); fully consumed
         trajectories are then dropped at their units."""
@@ -324,7 +331,7 @@ class DataPlaneClient:
             raise
         t3 = time.perf_counter()
         wait = min(loc.waited_s, t1 - t0)  # measured inside the claim's round trip, so never longer than it
-        self.last_timing = FetchTiming(t1 - t0 - wait, t2 - t1, t3 - t2, wait)
+        self.last_timing = self._timings[threading.get_ident()] = FetchTiming(t1 - t0 - wait, t2 - t1, t3 - t2, wait)
         if rec is not None:
             rec.add(trace.CpuEvent("claim", "", t0, t1, key))
             rec.add(trace.CpuEvent("pack", "", t2, t3, key))

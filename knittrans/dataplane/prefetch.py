@@ -4,8 +4,9 @@ Why a thread and not bookkeeping: the trainer's wait for data is what the step p
 claims, reads and packs the next share while the current step computes (torch ops release the GIL) turns that
 wait into overlap. The worker learns of mini-batch k+1 from ``controller.next_admitted`` -- a condition-variable
 wait that returns only once the admission policy has committed it -- so it can never hand out a mini-batch
-before admission. A bounded queue (``depth``) caps how far ahead it runs: at most ``depth`` prepared shares wait
-in memory.
+before admission. ``depth`` caps how far ahead it runs: at most ``depth`` prepared shares wait in memory (and one
+more is in flight), and ``depth`` workers fetch at once, so with several mini-batches admitted the next share's
+claim and reads overlap this one's (shares are still handed out in admission order).
 
     >>> # for share in Prefetcher(client, rank=0, fields=("input_ids",)):  train_step(share)
 """
@@ -82,44 +83,91 @@ class Prefetcher:
     events: list[PrefetchEvent] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._q: queue.Queue[tuple[PackedShare, int, float, float, float] | _Failure | _End] = queue.Queue(
-            maxsize=self.config.depth)
+        # Up to ``depth + 1`` shares are claimed ahead of the trainer (``depth`` prepared and waiting, the next in
+        # flight, as a single worker behind a queue of ``depth``), and ``depth`` workers fetch at once: with
+        # several shares admitted, the next one's claim and reads overlap this one's instead of waiting for them
+        # (each fetch is a few round trips to the controller and the units, mostly waiting on other processes).
+        self._slots = threading.Semaphore(self.config.depth + 1)
+        self._cv = threading.Condition()
+        self._ready: dict[int, tuple[PackedShare, int, float, float, float] | _Failure | _End] = {}
+        self._next_claim = self.start_seq  # the next seq a worker takes
+        self._next_hand = self.start_seq  # the next seq the trainer gets
+        self._last: int | None = None  # the seq of the end marker or failure, once a worker posted it
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"prefetch-rank{self.rank}", daemon=True)
+        self._epoch: int | None = None
+        self._epoch_lock = threading.Lock()
+        workers = self.config.depth if self.count is None else max(1, min(self.config.depth, self.count))
+        self._threads = [threading.Thread(target=self._run, name=f"prefetch-rank{self.rank}-{i}", daemon=True)
+                         for i in range(workers)]
         self._started = False
         self._finished = False
         self._handed: PackedShare | None = None  # handed out, not acked yet (ack_on_next)
 
     def start(self) -> "Prefetcher":
         if not self._started:
-            # started only once the thread runs: a close() from another thread in between must not join a thread
-            # that is not started yet (RuntimeError); the worker checks the stop flag before its first claim
-            self._thread.start()
+            # started only once the threads run: a close() from another thread in between must not join a thread
+            # that is not started yet (RuntimeError); the workers check the stop flag before their first claim
+            for th in self._threads:
+                th.start()
             self._started = True
         return self
 
-    def _run(self) -> None:
-        seq = self.start_seq
-        try:
-            # This incarnation of the rank: after a crash, recover_rank supersedes it, and a zombie of this
-            # prefetcher can then neither claim the new incarnation's share nor ack one (FencedError).
-            self._epoch = self.client.controller.rank_epoch(self.rank)
-            while not self._stop.is_set() and (self.count is None or seq < self.start_seq + self.count):
-                t_wait = time.perf_counter()
-                share = self._fetch_when_admitted(seq)
-                if share is None:
-                    break
-                timing = self.client.last_timing
-                fetch_s = timing.claim_s + timing.read_s + timing.pack_s if timing else 0.0
-                self._put((share, seq, t_wait, time.perf_counter(), fetch_s))
-                seq += 1
-            self._put(_End())
-        except DataPlaneClosedError:
-            self._put(_End())
-        except BaseException as e:  # noqa: BLE001 - forwarded to the trainer thread, which re-raises it
-            self._put(_Failure(e))
+    def _rank_epoch(self) -> int:
+        """This incarnation of the rank, asked once (by the first worker that needs it): after a crash,
+        recover_rank supersedes it, and a zombie of this prefetcher can then neither claim the new incarnation's
+        share nor ack one (FencedError)."""
+        with self._epoch_lock:
+            if self._epoch is None:
+                self._epoch = self.client.controller.rank_epoch(self.rank)
+            return self._epoch
 
-    def _fetch_when_admitted(self, seq: int) -> PackedShare | None:
+    def _take_seq(self) -> int | None:
+        """The next seq to fetch (None: stop -- closed, or past the end or a failure). Holds one slot on return."""
+        while not self._slots.acquire(timeout=_WAKE_S):
+            if self._stop.is_set():
+                return None
+        with self._cv:
+            seq = self._next_claim
+            if self._stop.is_set() or (self._last is not None and seq >= self._last):
+                self._slots.release()
+                return None
+            self._next_claim += 1
+        if self.count is not None and seq >= self.start_seq + self.count:
+            self._post(seq, _End())
+            return None
+        return seq
+
+    def _run(self) -> None:
+        while True:
+            seq = self._take_seq()
+            if seq is None:
+                return
+            try:
+                t_wait = time.perf_counter()
+                epoch = self._rank_epoch()
+                share = self._fetch_when_admitted(seq, epoch)
+                if share is None:  # closed while waiting
+                    self._post(seq, _End())
+                    return
+                timing = self.client.thread_timing()
+                fetch_s = timing.claim_s + timing.read_s + timing.pack_s if timing else 0.0
+                self._post(seq, (share, seq, t_wait, time.perf_counter(), fetch_s))
+            except DataPlaneClosedError:
+                self._post(seq, _End())
+                return
+            except BaseException as e:  # noqa: BLE001 - forwarded to the trainer thread, which re-raises it
+                self._post(seq, _Failure(e))
+                return
+
+    def _post(self, seq: int, item: object) -> None:
+        """``item`` is the ``seq``-th share (or the end, or a failure there: nothing after it is handed out)."""
+        with self._cv:
+            if isinstance(item, (_End, _Failure)):
+                self._last = seq if self._last is None else min(self._last, seq)
+            self._ready[seq] = item  # type: ignore[assignment]
+            self._cv.notify_all()
+
+    def _fetch_when_admitted(self, seq: int, epoch: int) -> PackedShare | None:
         """Wait for the ``seq``-th admission and fetch this rank's share (None: closed while waiting).
         The wait is the controller's condition variable (``claim_next``); it is sliced only so close() is
         honoured within _WAKE_S (a Ray controller cannot be interrupted mid-call)."""
@@ -131,19 +179,10 @@ class Prefetcher:
                                    f"{self.config.admit_timeout_s} s")
             try:
                 return self.client.fetch_next(seq, self.rank, self.fields, timeout=left,
-                                              ack=self.config.ack_on_fetch, epoch=self._epoch)
+                                              ack=self.config.ack_on_fetch, epoch=epoch)
             except TimeoutError:
                 continue
         return None
-
-    def _put(self, item: object) -> None:
-        # Blocks while ``depth`` shares wait (backpressure); wakes periodically only to honour close().
-        while not self._stop.is_set():
-            try:
-                self._q.put(item, timeout=_WAKE_S)  # type: ignore[arg-type]
-                return
-            except queue.Full:
-                continue
 
     def next(self, timeout: float | None = None) -> PackedShare:
         """The next prepared share (blocks until it is ready). Raises ``StopIteration`` at the end, and
@@ -153,6 +192,8 @@ class Prefetcher:
         if self._finished:
             raise StopIteration
         item = self._get(timeout)
+        if not isinstance(item, (_End, _Failure)):
+            self._slots.release()  # the trainer holds it now: a worker may claim one more
         if isinstance(item, _End):
             self._finished = True
             raise StopIteration
@@ -172,20 +213,22 @@ class Prefetcher:
             self.client.ack(share)
 
     def _get(self, timeout: float | None) -> object:
-        # Sliced so that a close() from another thread (which drains the queue and stops the worker before it
-        # can enqueue its end marker) ends this wait too instead of leaving the trainer blocked for ever.
+        # Sliced so that a close() from another thread (which stops the workers before they can post the end
+        # marker) ends this wait too instead of leaving the trainer blocked for ever.
         deadline = None if timeout is None else time.perf_counter() + timeout
-        while True:
-            if self._stop.is_set() and self._q.empty():
-                self._finished = True
-                raise StopIteration
-            left = _WAKE_S if deadline is None else min(_WAKE_S, deadline - time.perf_counter())
-            if left <= 0:
-                raise queue.Empty
-            try:
-                return self._q.get(timeout=left)
-            except queue.Empty:
-                continue
+        with self._cv:
+            while True:
+                item = self._ready.pop(self._next_hand, None)
+                if item is not None:
+                    self._next_hand += 1
+                    return item
+                if self._stop.is_set():
+                    self._finished = True
+                    raise StopIteration
+                left = _WAKE_S if deadline is None else min(_WAKE_S, deadline - time.perf_counter())
+                if left <= 0:
+                    raise queue.Empty
+                self._cv.wait(left)
 
     def __iter__(self) -> Iterator[PackedShare]:
         while True:
@@ -196,12 +239,12 @@ class Prefetcher:
             # (a loop left by an exception -- a crash in the step -- never asks again: its share stays unacked)
 
     def close(self) -> None:
-        """Stop the worker after its current fetch (a share it already claimed is dropped with it)."""
+        """Stop the workers after their current fetches (a share already claimed is dropped with them)."""
         self._stop.set()
-        try:
-            while True:
-                self._q.get_nowait()
-        except queue.Empty:
-            pass
+        with self._cv:
+            self._ready.clear()
+            self._cv.notify_all()
         if self._started:
-            self._thread.join(timeout=5.0)
+            for th in self._threads:
+                if th.is_alive() or th.ident is not None:
+                    th.join(timeout=5.0)
