@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -90,6 +91,7 @@ class KnitTransSystem:
         unpickling and packing."""
         self._handoff: Handoff | None = None
         self._seq = 0  # mini-batches admitted so far (the next pass's consumers start here)
+        self._producers: ThreadPoolExecutor | None = None  # the rollout engines' concurrent completing puts
 
     # -- the handoff and the rollout side ----------------------------------------------------------------------
 
@@ -126,10 +128,18 @@ class KnitTransSystem:
             h.plane.client(unit).put(payloads)
 
     def complete(self, h: Handoff, d: PassData) -> None:
-        """At t0: each producer puts its trajectories' completion fields with their metadata; the controller
-        completes them and admits every mini-batch its policy commits."""
-        for unit, rs in self._by_unit(d).items():
-            h.producer(unit).put([Rollout(r.traj, {k: r.tensors[k] for k in COMPLETION_FIELDS}) for r in rs])
+        """At t0: each producer puts its trajectories' completion fields with their metadata, all at once (they
+        are separate rollout engines, as the baselines' rollout workers, whose outputs the driver gathers in one
+        ``ray.get``); the controller completes them and admits every mini-batch its policy commits."""
+        puts = [(h.producer(unit), [Rollout(r.traj, {k: r.tensors[k] for k in COMPLETION_FIELDS}) for r in rs])
+                for unit, rs in self._by_unit(d).items()]
+        if len(puts) == 1:
+            puts[0][0].put(puts[0][1])
+            return
+        if self._producers is None:
+            self._producers = ThreadPoolExecutor(max_workers=len(puts), thread_name_prefix="producer")
+        for f in [self._producers.submit(p.put, rs) for p, rs in puts]:
+            f.result()
 
     # -- passes ----------------------------------------------------------------------------------------------
 
@@ -235,6 +245,9 @@ class KnitTransSystem:
         return held + (live() if live is not None else 0)
 
     def close(self) -> None:
+        if self._producers is not None:
+            self._producers.shutdown()
+            self._producers = None
         if self._handoff is not None:
             self._handoff.close()
             self._handoff = None
