@@ -113,10 +113,13 @@ class StorageUnit:
         self._sums: dict[int, dict[str, int]] = {}  # the producers' checksums of stored fields (for ``manifest``)
         self._lock = threading.Lock()
 
-    def put(self, payloads: Sequence[TrajectoryPayload]) -> list[PutRecord]:
+    def put(self, payloads: Sequence[TrajectoryPayload],
+            checked: Sequence[dict[str, np.ndarray] | None] | None = None) -> list[PutRecord]:
         """Store every payload or none: all are validated (schema, duplicates within the call and against
-        what is stored) before the first is stored."""
-        checked = [validate_payload(self.schema, p) for p in payloads]
+        what is stored) before the first is stored. ``checked``: per payload, its fields as ``validate_payload``
+        returned them, where a subclass already validated it (None entries are validated here)."""
+        pre = checked if checked is not None else [None] * len(payloads)
+        checked = [c if c is not None else validate_payload(self.schema, p) for p, c in zip(payloads, pre)]
         seen: set[tuple[int, str]] = set()
         with self._lock:
             fresh: list[dict[str, np.ndarray]] = []

@@ -18,6 +18,7 @@ nothing lost).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 import sys
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -168,14 +169,18 @@ class TrajectorySchema:
             raise SchemaMismatchError(f"TrajectorySchema.token_field {self.token_field!r} must name a ragged field "
                                       f"of {names}")
 
-    @property
+    @cached_property
     def names(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.fields)
 
+    @cached_property
+    def _by_name(self) -> dict[str, FieldSpec]:  # looked up per field of every put and fetch
+        return {f.name: f for f in self.fields}
+
     def get(self, name: str) -> FieldSpec:
-        for f in self.fields:
-            if f.name == name:
-                return f
+        f = self._by_name.get(name)
+        if f is not None:
+            return f
         raise FieldNotProducedError(f"field {name!r} is not in the schema (fields: {list(self.names)})")
 
 

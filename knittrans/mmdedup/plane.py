@@ -190,12 +190,13 @@ class MMStorageUnit(StorageUnit):
         with self._occ_lock:
             later = {p.traj_id for p in payloads
                      if isinstance(p, MMPayload) and not p.encodings and p.traj_id in self._occ}
-        for p in payloads:  # validate everything before the store changes
+        checked: list[dict[str, np.ndarray] | None] = [None] * len(payloads)
+        for i, p in enumerate(payloads):  # validate everything before the store changes
             if IMAGE_FIELD in p.tensors:
                 raise SchemaMismatchError(f"trajectory {p.traj_id}: {IMAGE_FIELD!r} is written by the storage unit "
                                           f"from the payload's encodings; do not put it")
             if isinstance(p, MMPayload):
-                validate_payload(self.schema, p)
+                checked[i] = validate_payload(self.schema, p)
                 _check_images(p)
         imaged = [p for p in payloads if isinstance(p, MMPayload) and p.traj_id not in later]
         if len({p.traj_id for p in imaged}) != len(imaged):
@@ -225,8 +226,11 @@ class MMStorageUnit(StorageUnit):
         full = [TrajectoryPayload(**{**{f.name: getattr(p, f.name) for f in dc_fields(TrajectoryPayload)},
                                      "tensors": {**p.tensors, IMAGE_FIELD: index[p.traj_id]}})
                 if p.traj_id in index else p for p in payloads]
+        for i, p in enumerate(payloads):  # validated above: the plain put checks only what it has not seen
+            if checked[i] is not None and p.traj_id in index:
+                checked[i] = {**checked[i], IMAGE_FIELD: full[i].tensors[IMAGE_FIELD]}
         try:
-            records = super().put(full)
+            records = super().put(full, checked)
         except Exception:
             self.store.release([r for rs in refs for r in rs])
             raise
