@@ -1,0 +1,184 @@
+"""This session's put/fetch-path changes, each pinned by what breaks without it: the compact wire form of put lists
+(same objects back, plain fallback), the prefetcher's concurrent fetches (order, bounds, a failure in the middle),
+the Ray journal's group commit (order, one call per flush, write-ahead before drops) and the multimodal unit
+actor's packed reads."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from knittrans.dataplane import MiniBatchKey, PrefetchConfig, Prefetcher, TrajectoryPayload, build_inprocess
+from knittrans.dataplane.types import FieldMeta, PutRecord
+from knittrans.dataplane.wire import WireList, to_wire, unwrap
+from knittrans.types import Trajectory
+from workloads.text_data import TEXT_SCHEMA, TextDataConfig, make_text_batch
+
+
+def _rt(items):
+    return pickle.loads(pickle.dumps(WireList(items))).items
+
+
+def test_put_records_and_payloads_come_back_equal_in_their_wire_form():
+    meta = Trajectory(3, 1, 0, 12, 0, 40, 1.5)
+    recs = [PutRecord(i, "u0", (FieldMeta("input_ids", 8 * i, i, 7), FieldMeta("advantages", 4, 1)), i or None,
+                      meta if i % 2 else None, ("loss_mask",) if i == 2 else ()) for i in range(5)]
+    wire = to_wire(recs)
+    assert wire[0] is PutRecord  # columns, not the plain list
+    back = _rt(recs)
+    assert back == recs and all(type(b) is PutRecord for b in back)
+    assert isinstance(back[1].meta, Trajectory) and isinstance(back[0].fields[0], FieldMeta)
+    pays = [TrajectoryPayload(i, {"advantages": np.full(i + 1, i, np.float32)}, {"advantages": 9} if i else None,
+                              meta if i else None) for i in range(4)]
+    got = _rt(pays)
+    assert [p.traj_id for p in got] == [0, 1, 2, 3] and got[0].meta is None and got[2].meta == meta
+    for a, b in zip(pays, got):
+        np.testing.assert_array_equal(a.tensors["advantages"], b.tensors["advantages"])
+        assert a.checksums == b.checksums
+
+
+def test_a_list_that_does_not_fit_the_columns_travels_as_it_is():
+    a = PutRecord(0, "u0", (FieldMeta("x", 1, 1),), 1)
+    mixed = [a, TrajectoryPayload(1, {"x": np.zeros(1)})]
+    assert to_wire(mixed)[0] is None
+    assert [type(x) for x in _rt(mixed)] == [PutRecord, TrajectoryPayload]
+    assert _rt([]) == [] and unwrap([a]) == [a]
+    odd = PutRecord(0, "u0", (FieldMeta("x", 1, 1), "not a field meta"), 1)  # a tuple mixing kinds
+    assert to_wire([odd])[0] is None and _rt([odd]) == [odd]
+
+
+def _loaded():
+    batch = make_text_batch(TextDataConfig(num_prompts=8, group_size=4, response_len_median=32,
+                                           max_response_len=128, prompt_len_mean=16, seed=0))
+    dp = build_inprocess(TEXT_SCHEMA, {"u0": "n0"}, ("n0",))
+    dp.client("u0").put([t.payload() for t in batch.trajectories])
+    return dp, batch.minibatches(4)
+
+
+def test_concurrent_prefetch_hands_out_in_admission_order_and_never_claims_past_its_bound():
+    dp, mbs = _loaded()
+    client = dp.client()
+    active, most, started = [0], [0], [0]
+    lock = threading.Lock()
+    real = client.fetch_next
+
+    def slow_fetch(seq, *a, **k):  # later seqs finish first: order must come from the prefetcher
+        share = real(seq, *a, **k)
+        with lock:
+            started[0] += 1
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        time.sleep(0.05 * (4 - seq))
+        with lock:
+            active[0] -= 1
+        return share
+
+    client.fetch_next = slow_fetch
+    for mb in mbs:
+        dp.controller.admit(mb)
+    pf = Prefetcher(client, 0, config=PrefetchConfig(depth=2), count=4).start()
+    time.sleep(0.5)  # the trainer has not asked yet: depth 2 waiting + one in flight = 3 fetched, no more
+    assert started[0] == 3
+    keys = [s.key for s in pf]
+    assert keys == [MiniBatchKey(0, i) for i in range(4)]
+    assert most[0] == 2  # two fetches ran at once (depth workers), never more
+    assert [e.seq for e in pf.events] == [0, 1, 2, 3]
+    pf.close()
+
+
+def test_a_failed_fetch_in_the_middle_ends_the_stream_after_the_shares_before_it():
+    dp, mbs = _loaded()
+    client = dp.client()
+    real = client.fetch_next
+
+    def fail_third(seq, *a, **k):
+        if seq == 2:
+            raise RuntimeError("unit exploded")
+        return real(seq, *a, **k)
+
+    client.fetch_next = fail_third
+    for mb in mbs:
+        dp.controller.admit(mb)
+    pf = Prefetcher(client, 0, config=PrefetchConfig(depth=3), count=4).start()
+    got = [pf.next(timeout=10).key for _ in range(2)]
+    assert got == [MiniBatchKey(0, 0), MiniBatchKey(0, 1)]
+    with pytest.raises(RuntimeError, match="unit exploded"):
+        pf.next(timeout=10)
+    with pytest.raises(StopIteration):
+        pf.next(timeout=10)
+    pf.close()
+    assert not any(t.is_alive() for t in pf._threads)
+
+
+def test_ray_journal_queues_under_the_lock_and_flushes_in_order_in_one_call(monkeypatch):
+    ray_transport = pytest.importorskip("knittrans.dataplane.ray_transport")
+    sent: list[list] = []
+
+    class FakeWrite:
+        @staticmethod
+        def remote(batch):
+            time.sleep(0.01)
+            sent.append(list(batch))
+            return None
+
+    class FakeActor:
+        write = FakeWrite
+
+    monkeypatch.setattr(ray_transport, "_journal_call", lambda ref: None)
+    j = ray_transport.RayJournal("j")
+    j.__dict__["actor"] = FakeActor()
+    j.count("a", 1)
+    j.count("b", 2)
+    j.seal()
+    assert sent == []  # queued, nothing sent inside the controller's lock
+    j.flush()
+    assert sent == [[("count", ("a", 1)), ("count", ("b", 2)), ("seal", ())]]
+    j.flush()
+    assert len(sent) == 1  # nothing queued: no call
+
+    def writer(i):
+        for k in range(20):
+            j.count(f"w{i}", k)
+            j.flush()
+
+    ths = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    flat = [e for b in sent[1:] for e in b]
+    for i in range(4):  # every write arrived once, each writer's in its order
+        assert [v for name, (n, v) in flat if n == f"w{i}"] == list(range(20))
+    assert pickle.loads(pickle.dumps(j)).name == "j"  # travels by name only
+
+    from knittrans.dataplane.recovery import ControllerJournal
+
+    cj = ControllerJournal()
+    cj.write([("count", ("x", 3)), ("seal", ())])
+    with pytest.raises(ValueError, match="not a journal write"):
+        cj.write([("attach", ())])
+
+
+def test_the_multimodal_unit_actor_returns_packed_fields_not_one_array_per_row():
+    pytest.importorskip("ray")
+    import torch
+
+    from knittrans.mmdedup.plane import MM_SCHEMA, MMPayload
+    from knittrans.mmdedup.plane_ray import MMUnitHost
+    from knittrans.mmdedup.keys import encoding_hash_fn
+
+    host = MMUnitHost("u0", "n0", MM_SCHEMA, encoding_hash_fn)
+    img = torch.rand(4, 8)
+    pays = [MMPayload(t, {"input_ids": np.arange(5 + t, dtype=np.int64),
+                          "old_logprobs": np.zeros(5 + t, np.float32), "advantages": np.ones(5 + t, np.float32),
+                          "loss_mask": np.ones(5 + t, bool)}, group=0, encodings=(img,), grids=((1, 2, 2),))
+            for t in range(6)]
+    host.put(WireList(pays))
+    ch = host.get(tuple(range(6)), MM_SCHEMA.names)
+    assert all(isinstance(v, np.ndarray) for v in ch.values)  # rows would be tuples of 6 arrays
+    ids = ch.values[MM_SCHEMA.names.index("input_ids")]
+    assert ids.shape == (sum(5 + t for t in range(6)),) and len(ch.pixels) == 1
