@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from knittrans.dataplane.idset import IdRanges
+from knittrans.dataplane.wire import from_wire, to_wire
 from knittrans.dataplane.types import AdmittedMiniBatch, DataPlaneError, MiniBatchKey, PutRecord
 from knittrans.types import BatchPlan, Trajectory
 
@@ -67,6 +68,13 @@ class CompleteEvent:
 
     metas: tuple[Trajectory, ...]
     t: float
+
+    def __reduce__(self):  # noqa: ANN204 - to the journal actor: the metas as columns (``wire``), not 1 object each
+        return (_complete_event, (to_wire(self.metas), self.t))
+
+
+def _complete_event(metas: tuple, t: float) -> CompleteEvent:
+    return CompleteEvent(tuple(from_wire(metas)), t)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,11 @@ from functools import lru_cache
 from operator import attrgetter
 from typing import Any, Sequence
 
-_RAW, _DC, _TDC = 0, 1, 2  # a field's value: as it is / a dataclass / a tuple of dataclasses (or None)
+import numpy as np
+
+_RAW, _DC, _TDC, _ARRS = 0, 1, 2, 3
+"""A field's values travel as they are / as a dataclass's values / a tuple of dataclasses' / (dicts of numpy arrays
+with the same keys in every row) one concatenated array per key with its row lengths."""
 
 
 @lru_cache(maxsize=None)
@@ -64,6 +68,39 @@ def _kind(values: Sequence[object]) -> tuple[int, type | None] | None:
     return (_TDC, dcs[0]) if len(inner) == 1 and types == {tuple} else None
 
 
+def _array_columns(col: Sequence[object]) -> tuple | None:
+    """Dicts of numpy arrays (ndim >= 1, one dtype and trailing shape per key, the same keys in every row) as one
+    array per key plus its row lengths; None if the column is anything else (it then travels as it is). Each
+    small array would otherwise be its own out-of-band buffer in Ray's pickle."""
+    first = col[0]
+    if type(first) is not dict or not first:
+        return None
+    keys = tuple(first)
+    out = []
+    for k in keys:
+        arrs = []
+        for d in col:
+            if type(d) is not dict or len(d) != len(keys):
+                return None
+            a = d.get(k)
+            if type(a) is not np.ndarray or a.ndim == 0:
+                return None
+            arrs.append(a)
+        a0 = arrs[0]
+        if any(a.dtype != a0.dtype or a.shape[1:] != a0.shape[1:] for a in arrs):
+            return None
+        out.append((np.concatenate(arrs), np.fromiter((a.shape[0] for a in arrs), np.int64, len(arrs))))
+    return keys, tuple(out)
+
+
+def _split_columns(keys: tuple, cols: tuple) -> list[dict]:
+    parts = []
+    for values, lengths in cols:
+        bounds = np.cumsum(lengths)[:-1]
+        parts.append(np.split(values, bounds))
+    return [dict(zip(keys, row)) for row in zip(*parts)]
+
+
 def to_wire(items: Sequence[Any]) -> tuple:
     items = list(items)
     if not items:
@@ -77,6 +114,12 @@ def to_wire(items: Sequence[Any]) -> tuple:
         k = _kind(col)
         if k is None:
             return (None, items)
+        if k[0] is _RAW:
+            arrs = _array_columns(col)
+            if arrs is not None:
+                kinds.append((_ARRS, None))
+                out_cols.append(arrs)
+                continue
         kinds.append(k)
         if k[0] is _RAW:
             out_cols.append(col)
@@ -119,6 +162,9 @@ def from_wire(wire: tuple) -> list:
     for (k, c), col in zip(kinds, cols):
         if k is _RAW:
             dec.append(col)
+            continue
+        if k is _ARRS:
+            dec.append(_split_columns(*col))
             continue
         b = _builder(c)
         if k is _DC:

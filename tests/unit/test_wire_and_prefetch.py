@@ -47,6 +47,10 @@ def test_a_list_that_does_not_fit_the_columns_travels_as_it_is():
     assert to_wire(mixed)[0] is None
     assert [type(x) for x in _rt(mixed)] == [PutRecord, TrajectoryPayload]
     assert _rt([]) == [] and unwrap([a]) == [a]
+    scalar = [TrajectoryPayload(i, {"x": np.float32(i) * np.ones(())}) for i in range(2)]  # 0-d: kept as is
+    assert [float(p.tensors["x"]) for p in _rt(scalar)] == [0.0, 1.0]
+    keys = [TrajectoryPayload(0, {"x": np.zeros(2)}), TrajectoryPayload(1, {"y": np.ones(3)})]  # other keys
+    assert [sorted(p.tensors) for p in _rt(keys)] == [["x"], ["y"]]
     odd = PutRecord(0, "u0", (FieldMeta("x", 1, 1), "not a field meta"), 1)  # a tuple mixing kinds
     assert to_wire([odd])[0] is None and _rt([odd]) == [odd]
 
