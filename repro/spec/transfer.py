@@ -233,8 +233,8 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("mm_transfer_latency_ratio", MM, ClaimKind.TARGET, "~100x (two orders of magnitude)", "x",
           RAW.format(num="centralized", den="knittrans-ray") + "; median over K passes, [min, max]; pre-registered "
           "bound 50 (two orders of magnitude with a 2x margin). Gate bound 1 at CI size (16 x n=16, 224px, M=2, "
-          "the median of 3 raw passes per pass): on one machine every hop is a memcpy and KnitTrans pays a few "
-          "round trips per mini-batch, so the ratio is 1.2-1.8 (medians of 3 passes, idle 2-core machine; it read 0.77 in "
+          "K=5 passes, the median of 3 raw passes per pass): on one machine every hop is a memcpy and KnitTrans "
+          "pays a few round trips per mini-batch, so the ratio is 0.9-1.8 (3-pass medians, 2-core machine; 0.77 in "
           "CI before the multimodal unit's reads were packed again and the put path's round trips cut, "
           "docs/experiments.md); the same plane with dedup off moves the baseline's pixel bytes and gives 0.6",
           ratio("centralized", "knittrans-ray", "raw_s"), bound=Bound(">=", 50.0), gate=Bound(">=", 1.0),
