@@ -206,9 +206,7 @@ class DataPlaneClient:
     local_unit: str | None = None
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     getter: UnitGetter | None = None  # None: read units one after another (fine in-process)
-    last_timing: FetchTiming | None = None
-    """The last fetch's timing (of any thread; a thread reads its own with ``thread_timing``)."""
-    _timings: dict = field(default_factory=dict, init=False, repr=False)  # thread id -> its last FetchTiming
+    _timings: dict = field(default_factory=dict, init=False, repr=False)  # thread id -> its last fetch's timing
     pool: BufferPool | None = field(default=None, init=False, repr=False)
     """Where shares are packed (``PrepareConfig.reuse_buffers``): the fetching process's pool, looked up on first
     use (it pickles empty)."""
@@ -292,8 +290,9 @@ class DataPlaneClient:
         return self._deliver(loc, t0, ack)
 
     def thread_timing(self) -> FetchTiming | None:
-        """The timing of this thread's last fetch (a prefetcher's workers fetch concurrently)."""
-        return self._timings.get(threading.get_ident())
+        """The timing of this thread's last fetch, taken once (a prefetcher's workers fetch concurrently; the
+        entry is removed, so short-lived threads leave nothing behind)."""
+        return self._timings.pop(threading.get_ident(), None)
 
     def ack(self, share: PackedShare) -> None:
         """Acknowledge a share fetched with ``ack=False`` (the rank has stepped on it); fully consumed
@@ -331,7 +330,7 @@ class DataPlaneClient:
             raise
         t3 = time.perf_counter()
         wait = min(loc.waited_s, t1 - t0)  # measured inside the claim's round trip, so never longer than it
-        self.last_timing = self._timings[threading.get_ident()] = FetchTiming(t1 - t0 - wait, t2 - t1, t3 - t2, wait)
+        self._timings[threading.get_ident()] = FetchTiming(t1 - t0 - wait, t2 - t1, t3 - t2, wait)
         if rec is not None:
             rec.add(trace.CpuEvent("claim", "", t0, t1, key))
             rec.add(trace.CpuEvent("pack", "", t2, t3, key))

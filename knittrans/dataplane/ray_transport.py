@@ -339,6 +339,7 @@ class ControllerHost:
 for _name, _fn in list(vars(ControllerHost).items()):
     if callable(_fn) and not _name.startswith("_"):
         setattr(ControllerHost, _name, _flushing(_fn))
+del _name, _fn
 
 ControllerActor = ray.remote(num_cpus=0, max_concurrency=64)(ControllerHost)
 
