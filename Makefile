@@ -18,7 +18,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PYTHONUNBUFFERED := 1
 
 # Tables run by `make repro`, in order: module[:override,override...] (Hydra overrides after the colon).
-TABLES ?= staleness admission simcheck kernels transfer:workload=text transfer:workload=multimodal cluster:workload=multimodal speedup quality quality:workload=multimodal reliability
+TABLES ?= staleness admission simcheck kernels transfer:workload=text transfer:workload=multimodal cluster:workload=multimodal speedup quality quality_replay quality:workload=multimodal reliability
 
 .PHONY: all setup test test-vllm vllm-env gate repro bench bench-save bench-gate clean
 
