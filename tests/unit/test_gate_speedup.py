@@ -45,10 +45,11 @@ def test_patch_gate_fails_when_dedup_is_off_in_the_plane(ray_up, monkeypatch):
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_speedup_gate_fails_when_dedup_is_off_in_the_plane(ray_up, monkeypatch):
-    """Timing: on an idle machine the speedup without dedup falls under the gate's 1.5; under load the baseline's
-    Ray transfer balloons and the ratio rose to 2.4 (2026-12-01), so this is not part of `make test`."""
+    """Timing: the speedup without dedup is 1 + the baseline's exposed transfer over its training (KnitTrans's
+    transfer stays hidden behind compute). At the gate's 336px it read 1.24-1.27 on an idle machine (bound 1.5).
+    A heavily loaded machine inflates the baseline's Ray transfer and can lift it over the bound (at 168px it rose
+    to 2.4 under load, 2026-12-01): run the suite on an otherwise idle machine, as CI does."""
     from repro.speedup import gate_trials
 
     inject.dedup_off_in_the_plane(monkeypatch)
