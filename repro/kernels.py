@@ -61,7 +61,7 @@ class KernelsConfig:
     largest."""
     sglang_batch: int = 8
     """[3312, 1176] fp32 tensors hashed per call for hashes/s (0: skip)."""
-    passes: int = 21
+    passes: int = 11
     """Interleaved timing passes (K); each pass times every point once after one untimed warm-up round."""
     profile: bool = True
     """Also time the profiles (hash block sums alone, pack copies alone) at the largest sizes, on CPU."""
