@@ -256,6 +256,27 @@ _CMP_MATCHED = ("same seeds, warm start, prompt stream, batch shape (P x n, M mi
                 "KnitTrans at the smallest budget whose raw steps/s matched train-batch's in interleaved probes "
                 "(the measured match is in the note and in quality_throughput_match)")
 
+def _context_claims(table: str, prefix: str, rate: str, matched: str, same_budget: str) -> tuple[Claim, ...]:
+    """The context both learning tables report beside the target: KnitTrans at train-batch's budget, the
+    throughput match and the architectural staleness reduction (``rate`` names how steps/s was measured)."""
+    return (
+        Claim(f"{prefix}_same_budget", table, ClaimKind.MEASUREMENT, paper="(context)", unit="AUC",
+              definition="per-seed paired AUC(KnitTrans at train-batch's budget P) - AUC(train-batch), mean with 95% "
+                         "t-interval; range [-1, 1]. At an equal budget Little's law gives both about the same "
+                         "staleness: KnitTrans's gain there is throughput",
+              measure=lambda rows: paired_mean_ci(_paired(rows, "knittrans_same_budget", "train_batch", "auc")),
+              comparison=same_budget),
+        Claim(f"{prefix}_throughput_match", table, ClaimKind.MEASUREMENT, paper="(>= 1: matched)", unit="x",
+              definition=f"{rate} of KnitTrans at its matched budget over train-batch's, per seed; median "
+                         "[min, max] over seeds", measure=lambda rows: throughput_ratio(rows, "knittrans_matched")),
+        Claim(f"{prefix}_arch_staleness_reduction", table, ClaimKind.MEASUREMENT, paper="0.93 (staleness table)",
+              unit="fraction",
+              definition="per seed 1 - A_kt / A_tb, A = mean measured staleness - colocated's, KnitTrans at its "
+                         "matched budget; range (-inf, 1]; median [min, max] over seeds",
+              measure=arch_reduction, comparison=matched),
+    )
+
+
 _NARROWED = ("lower end of the 95% t-interval (ddof=1) of the per-seed paired difference AUC(KnitTrans, "
              "throughput-matched budget) - AUC(train-batch, budget P), AUC = mean held-out {what} over the "
              "evaluation points (range [-1, 1]){verdict}. Not measured unless the gap exists: the interval of "
@@ -284,25 +305,12 @@ CLAIMS: tuple[Claim, ...] = (
                      "> 1 = better than colocated (fresher data than colocated's (M-1)/2 steps); unbounded, so "
                      "not measured unless the gap's interval lies above 0",
           measure=gap_closed, comparison=_CMP_MATCHED),
-    Claim("quality_same_budget", TABLE, ClaimKind.MEASUREMENT, paper="(context)", unit="AUC",
-          definition="per-seed paired AUC(KnitTrans at train-batch's budget P) - AUC(train-batch), mean with 95% "
-                     "t-interval; range [-1, 1]. At an equal budget Little's law gives both about the same "
-                     "staleness: KnitTrans's gain there is throughput (quality_same_budget_throughput)",
-          measure=lambda rows: paired_mean_ci(_paired(rows, "knittrans_same_budget", "train_batch", "auc")),
-          comparison="same seeds, warm start, prompts, step count and in-flight budget (P groups)"),
-    Claim("quality_throughput_match", TABLE, ClaimKind.MEASUREMENT, paper="(>= 1: matched)", unit="x",
-          definition="raw steps/s of KnitTrans at its matched budget over train-batch's, per seed within one "
-                     "interleaved pass; median [min, max] over seeds",
-          measure=lambda rows: throughput_ratio(rows, "knittrans_matched")),
+    *_context_claims(TABLE, "quality", "raw steps/s (within one interleaved pass)", _CMP_MATCHED,
+                     "same seeds, warm start, prompts, step count and in-flight budget (P groups)"),
     Claim("quality_same_budget_throughput", TABLE, ClaimKind.MEASUREMENT, paper="(context)", unit="x",
           definition="raw steps/s of KnitTrans at train-batch's budget over train-batch's, per seed; median "
                      "[min, max] over seeds",
           measure=lambda rows: throughput_ratio(rows, "knittrans_same_budget")),
-    Claim("quality_arch_staleness_reduction", TABLE, ClaimKind.MEASUREMENT, paper="0.93 (staleness table)",
-          unit="fraction",
-          definition="per seed 1 - A_kt / A_tb, A = mean measured staleness - colocated's, KnitTrans at its matched "
-                     "budget; range (-inf, 1]; median [min, max] over seeds",
-          measure=arch_reduction, comparison=_CMP_MATCHED),
     *(Claim(f"quality_staleness_{arm}", TABLE, ClaimKind.MEASUREMENT, paper="(measured)", unit="steps",
             definition=f"mean v_train - v_gen over every trajectory of a {arm} run, from the handoff's records; "
                        f"median [min, max] over seeds", measure=_per_arm(arm, "staleness_mean")) for arm in ARMS),
@@ -399,20 +407,8 @@ CLAIMS = CLAIMS + (
                      "at its matched budget; 1 = as good as colocated, > 1 = better (fresher than colocated's "
                      "(M-1)/2); not measured unless the gap's interval lies above 0",
           measure=gap_closed, comparison=_CMP_REPLAY),
-    Claim("replay_same_budget", REPLAY_TABLE, ClaimKind.MEASUREMENT, paper="(context)", unit="AUC",
-          definition="per-seed paired AUC(KnitTrans at train-batch's budget P) - AUC(train-batch); mean with 95% "
-                     "t-interval, range [-1, 1]. At one budget Little's law gives both about the same staleness",
-          measure=lambda rows: paired_mean_ci(_paired(rows, "knittrans_same_budget", "train_batch", "auc")),
-          comparison="same seeds, workload, learner, step count and in-flight budget (P groups)"),
-    Claim("replay_throughput_match", REPLAY_TABLE, ClaimKind.MEASUREMENT, paper="(>= 1: matched)", unit="x",
-          definition="simulated steady-state steps/s of KnitTrans at its matched budget over train-batch's, per "
-                     "seed; median [min, max] over seeds",
-          measure=lambda rows: throughput_ratio(rows, "knittrans_matched")),
-    Claim("replay_arch_staleness_reduction", REPLAY_TABLE, ClaimKind.MEASUREMENT, paper="0.93 (staleness table)",
-          unit="fraction",
-          definition="per seed 1 - A_kt / A_tb, A = mean staleness - colocated's, KnitTrans at its matched budget; "
-                     "range (-inf, 1]; median [min, max] over seeds", measure=arch_reduction,
-          comparison=_CMP_REPLAY),
+    *_context_claims(REPLAY_TABLE, "replay", "simulated steady-state steps/s", _CMP_REPLAY,
+                     "same seeds, workload, learner, step count and in-flight budget (P groups)"),
     *(Claim(f"replay_{key}_{arm}", REPLAY_TABLE, ClaimKind.MEASUREMENT, paper="(measured)", unit=unit,
             definition=f"{what} of a {arm} replay; median [min, max] over seeds", measure=_per_arm(arm, key))
       for arm in ARMS for key, unit, what in (
