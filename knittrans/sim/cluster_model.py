@@ -275,12 +275,15 @@ def verl_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
 
 
 def knittrans_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
-    """KnitTrans's raw pass: each rank's prefetcher fetches its shares one after another (keys "r<rank>/s<seq>"):
-    the claim ("claim": waits for the admission at t0, then the controller's answer), the request to every unit
-    holding part of the share and the units' work and serialization ("source"), one pull per unit ("read"
-    flows, concurrent with every other rank's), the unpickle ("deser") and packing ("pack"); the gap between a
-    share's packing and the next claim (the hand-over to the trainer thread) is measured too. Ranks run in
-    parallel. The first claim starts at t0 (the prefetcher was already waiting)."""
+    """KnitTrans's raw pass: each rank's prefetcher fetches its shares (keys "r<rank>/s<seq>"): the claim
+    ("claim": waits for the admission at t0, then the controller's answer), the request to every unit holding
+    part of the share and the units' work and serialization ("source"), one pull per unit ("read" flows,
+    concurrent with every other flow), the unpickle ("deser") and packing ("pack"). A claim waits for the rank's
+    latest share whose packing had ended when the claim started, plus the measured gap (the hand-over); a claim
+    that started before any of the rank's packs ended starts at t0. So one fetch after another (a prefetcher with
+    one worker) chains every share, and the prefetcher's ``depth`` concurrent fetches (since 3f775ac) overlap
+    their claims and reads as they did. A rank's unpickling and packing run in its one process, so they take turns
+    there (in the order they ran). Ranks run in parallel."""
     cpu: dict[tuple[str, str], CpuEvent] = {(e.label, e.key): e for e in events if isinstance(e, CpuEvent)}
     reads: dict[str, list[FlowEvent]] = {}
     for e in events:
@@ -293,21 +296,27 @@ def knittrans_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
     tasks: list[Task] = []
     for rank, keys in by_rank.items():
         keys.sort(key=lambda k: cpu[("claim", k)].t_start)
-        prev: tuple[str, ...] = ()
-        prev_end = t0
+        # one process per rank: its shares' unpickle and packing take turns on its interpreter, in the order they ran
+        turns = sorted((k for k in keys if ("deser", k) in cpu), key=lambda k: cpu[("deser", k)].t_start)
+        before = {k: f"pack:{turns[i - 1]}" for i, k in enumerate(turns) if i > 0}
         for key in keys:
             claim = cpu[("claim", key)]
-            gap = max(0.0, claim.t_start - prev_end) if prev else 0.0
+            done = [k for k in keys if ("pack", k) in cpu and cpu[("pack", k)].t_end <= claim.t_start]
+            last = max(done, key=lambda k: cpu[("pack", k)].t_end, default=None)
+            prev = (f"pack:{last}",) if last is not None else ()
+            gap = max(0.0, claim.t_start - cpu[("pack", last)].t_end) if last is not None else 0.0
             claim_s = claim.t_end - max(claim.t_start, t0)
             tasks += [Task(f"gap:{key}", prev, gap), Task(f"claim:{key}", (f"gap:{key}",), max(0.0, claim_s)),
                       Task(f"source:{key}", (f"claim:{key}",), _dur(cpu[("source", key)]))]
             fl = [Task(f"read:{key}:{i}", (f"source:{key}",), src=f.src, dst=f.dst, nbytes=f.nbytes)
                   for i, f in enumerate(reads.get(key, []))]
             tasks += fl
-            tasks += [Task(f"deser:{key}", tuple(t.name for t in fl) or (f"source:{key}",),
+            after = tuple(t.name for t in fl) or (f"source:{key}",)
+            tasks += [Task(f"deser:{key}", after + ((before[key],) if key in before else ()),
                            _dur(cpu[("deser", key)])),
-                      Task(f"pack:{key}", (f"deser:{key}",), _dur(cpu[("pack", key)]))]
-            prev, prev_end = (f"pack:{key}",), cpu[("pack", key)].t_end
+                      # from the unpickle's end: the wait for the rank's interpreter before packing is its cost too
+                      Task(f"pack:{key}", (f"deser:{key}",),
+                           max(0.0, cpu[("pack", key)].t_end - cpu[("deser", key)].t_end))]
     return tasks
 
 

@@ -204,7 +204,12 @@ def project(s: PaperSetting, costs: PhaseCosts, link: LinkModel, balance: StepBa
     rate = min(fair_rates(flows, link))
     read = costs.cpu("knittrans/claim") + costs.cpu("knittrans/source", share) + link.latency_s \
         + share / U / rate + costs.cpu("knittrans/deser", share) + costs.cpu("knittrans/pack", share)
-    knit_raw = M * read + (M - 1) * costs.cpu("knittrans/gap")
+    # The hand-over between a rank's shares: measured only where its fetches ran one after another. The prefetcher
+    # runs ``depth`` fetches at once (since 3f775ac), so with M <= depth a rank's claims all start before any pack
+    # ends and no hand-over exists to measure: 0, and the shares are modelled back to back, which is what the link
+    # allows when it is the bottleneck (concurrent reads of one rank share its ingress).
+    gap = costs.fixed_s.get("knittrans/gap", 0.0)
+    knit_raw = M * read + (M - 1) * gap
     # training per mini-batch on one rank: LM over its tokens, vision over its (occurrence / distinct) patches
     lm = s.gpu.lm_s_per_token
     vis = lm * balance.ratio

@@ -166,6 +166,33 @@ def test_knittrans_graph_chains_each_ranks_shares_and_shares_unit_links_between_
     assert p.rel_err == pytest.approx(0.0, abs=1e-9) and p.flow_bytes == 8 * 50 * 10**6
 
 
+def concurrent_trace(t0: float = 100.0) -> list:
+    """One rank whose prefetcher runs two fetches at once: both claims start before either share is packed."""
+    ev = []
+    for s in range(2):
+        key = f"r0/s{s}"
+        ev += [CpuEvent("claim", "rk0", t0 - 0.5, t0 + 0.01, key),
+               CpuEvent("source", "rk0", t0 + 0.01, t0 + 0.03, key),
+               FlowEvent("read", "u0", "rk0", 50 * 10**6, t0 + 0.03, t0 + 0.2, key),
+               CpuEvent("deser", "rk0", t0 + 0.2 + 0.05 * s, t0 + 0.21 + 0.05 * s, key),
+               CpuEvent("pack", "rk0", t0 + 0.21 + 0.05 * s, t0 + 0.25 + 0.05 * s, key)]
+    return ev
+
+
+def test_concurrent_fetches_overlap_their_reads_and_take_turns_on_the_ranks_interpreter():
+    link = LinkModel(1e9)
+    tasks = knittrans_graph(concurrent_trace(), 100.0)
+    # both claims from t0 (no pack had ended), both reads share unit 0's link: 100 MB at 1 GB/s; then the two
+    # unpickles + packs one after the other in the rank's process (0.05 each)
+    assert makespan(tasks, link) == pytest.approx(0.01 + 0.02 + 0.1 + 2 * 0.05, rel=1e-6)
+    # and the projection's phase costs have no hand-over gap to measure: it counts none (no KeyError)
+    from knittrans.sim.cluster_projection import PhaseCosts
+    from types import SimpleNamespace
+    costs = PhaseCosts.from_trace([SimpleNamespace(graph="knittrans", events=concurrent_trace(), pixel_bytes=0)],
+                                  copy_Bps=1e10)
+    assert "knittrans/gap" not in costs.fixed_s and costs.cpu("knittrans/pack") >= 0
+
+
 def test_a_slower_link_predicts_a_slower_pass():
     fast, slow = LinkModel(1e9), LinkModel(1e8)
     for kind, ev in (("central", central_trace()), ("knittrans", knittrans_trace())):
