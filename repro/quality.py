@@ -50,8 +50,7 @@ class MMQuality:
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     """One paired comparison per seed (each its own warm start)."""
     num_batches: int = 12
-    """Training batches per run (steps = num_batches * num_minibatches; 20 until session 21, cut for the 30-minute
-    ``make repro``: every claim of this table is a measurement)."""
+    """Training batches per run (steps = num_batches * num_minibatches; 20 until session 21: measurements only)."""
     prompts_per_batch: int = 16
     """P: prompts (images) per batch."""
     group_size: int = 8
@@ -90,9 +89,8 @@ class QualityConfig:
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
     """One paired comparison (every arm from the same warm start) per seed; >= 2 for an interval."""
     num_batches: int = 16
-    """Training batches per run; optimizer steps = num_batches * num_minibatches (the fixed step budget): 256 at
-    the defaults (800 before the table ran 5 seeds x 4 arms, 480 until session 21; cut so that ``make repro``
-    fits 30 minutes on 2 cores, now that these rows are measurements and the target is decided on the replay)."""
+    """Training batches per run; optimizer steps = num_batches * num_minibatches: 256 at the defaults (480 until
+    session 21; cut for ``make repro``'s time: these rows are measurements, the target is decided on the replay)."""
     prompts_per_batch: int = 128
     """P: prompts per batch."""
     group_size: int = 8

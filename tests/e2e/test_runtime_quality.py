@@ -35,7 +35,7 @@ def test_quality_table_logs_typed_trials_and_writes_the_results_contract(tmp_pat
     matched = {r.budget_groups for r in runs if r.arm == "knittrans_matched"}
     assert matched == {summary["matched_budget"]["budget_groups"]} and matched <= {2, 4}
     names = {c["name"]: c for c in json.loads((out / "summary.json").read_text())["claims"]}
-    assert names["quality_gap_narrowed"]["kind"] == "target" and "quality_throughput_match" in names
+    assert names["quality_gap_narrowed_runtime"]["kind"] == "measurement" and "quality_throughput_match" in names
     assert names["quality_staleness_colocated"]["measured"] == 0.5  # (M - 1) / 2, from the handoff's records
     with gzip.open(out / "traces" / "knittrans_matched-seed1.csv.gz", "rt") as f:
         trace = list(csv.DictReader(f))
