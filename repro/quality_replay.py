@@ -10,7 +10,7 @@ execution, with the product admission policies (``baselines.admission.make_polic
 the smallest whose simulated steady-state steps/s, over train-batch's from the same seed, has a median >= 1 over
 seeds. Then four schedules per seed (colocated, train-batch at P, KnitTrans at P, KnitTrans at the matched budget)
 are replayed by ``knittrans.sim.replay`` with the seed's task and random draws: a paired comparison that changes
-only the schedule. Claims and definitions: ``repro/spec/quality.py`` (``quality_gap_narrowed`` is decided here).
+only the schedule. Rows and claims: ``repro/spec/quality_replay.py`` (``quality_gap_narrowed`` is decided here).
 
 Deterministic: the same config gives the same rows on any machine. Writes ``results/quality-replay/``.
 """
@@ -29,7 +29,8 @@ from omegaconf import OmegaConf
 from knittrans.sim import BudgetRelease, SimDeadlock, SyncPolicy
 from knittrans.sim.replay import BanditTask, ReplayConfig, ReplayCurve, replay
 from knittrans.sim.sweep import COLOCATED, PointSpec, SystemModel
-from repro.spec.quality import ARMS, ReplayProbe, ReplayRun, matched_budget
+from repro.spec.quality import ARMS, matched_budget
+from repro.spec.quality_replay import ReplayProbe, ReplayRun
 from workloads.text import TAILS, LengthDist, TextWorkloadConfig, generate_batches
 
 

@@ -27,11 +27,11 @@ definitions, deterministic. The simulator (the product admission policies, the s
 schedules every run; ``knittrans.sim.replay`` replays each schedule with a small GRPO learner, every trajectory
 generated with the weights of its ``v_gen`` (a contextual bandit, exact held-out evaluation, the same random draws
 per trajectory in every arm). KnitTrans's matched budget is the smallest whose simulated steady-state steps/s
-reaches train-batch's (median over seeds). One ``ReplayRun`` per (seed, arm); the target claim
-``quality_gap_narrowed`` is decided here and gated in CI. What it shows: given a learner that staleness hurts
-(its sensitivity, the learning rate, is stated beside the claim), KnitTrans's schedule loses less of colocated's
-quality than train-batch's does at matched throughput. What it does not show: how much a real LLM loses per step
-of staleness.
+reaches train-batch's (median over seeds). One ``ReplayRun`` per (seed, arm); its rows and claims, the target
+``quality_gap_narrowed`` among them (gated in CI), are in ``repro/spec/quality_replay.py``, with these measures.
+What it shows: given a learner that staleness hurts (its sensitivity, the learning rate, is stated beside the
+claim), KnitTrans's schedule loses less of colocated's quality than train-batch's does at matched throughput.
+What it does not show: how much a real LLM loses per step of staleness.
 
 **The multimodal run** (``python -m repro.quality workload=multimodal``, table ``quality-multimodal``): the tiny
 Qwen2-VL on the counting task, GRPO through the same orchestrator and handoff (encoder once per distinct image),
@@ -45,15 +45,17 @@ prompt at T = 1, GRPO's objective) and the encoder patches of every step (dedup:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from repro.spec.core import (Claim, ClaimKind, Bound, Measured, Trial, median_range, not_measured, paired_mean_ci,
+from repro.spec.core import (Claim, ClaimKind, Measured, Trial, median_range, not_measured, paired_mean_ci,
                              trial)
+
+if TYPE_CHECKING:
+    from repro.spec.quality_replay import ReplayProbe
 
 TABLE = "quality"
 ARMS = ("colocated", "train_batch", "knittrans_same_budget", "knittrans_matched")
@@ -136,39 +138,6 @@ class MMQualityRun(ArmRun):
 
 MM_TABLE = "quality-multimodal"
 MM_ARMS = ("colocated", "train_batch", "knittrans")
-REPLAY_TABLE = "quality-replay"
-
-
-@trial(REPLAY_TABLE)
-@dataclass(frozen=True)
-class ReplayRun(ArmRun):
-    """One arm's simulated schedule replayed by the learner (``knittrans.sim.replay``) from one seed. ``auc``,
-    ``final_acc`` and ``init_acc`` are held-out *expected* reward (exact, no evaluation noise)."""
-
-    staleness_mean: float
-    staleness_max: float
-    clip_frac: float
-    """Of the samples with a non-zero advantage, the fraction whose ratio was outside the clip range."""
-    mean_reward: float
-    steps_per_s: float
-    """Simulated steady-state optimizer steps per simulated second (the staleness table's time model)."""
-    lr: float
-    """The learner's step size (its sensitivity to staleness), stated with every row."""
-
-
-@trial(REPLAY_TABLE)
-@dataclass(frozen=True)
-class ReplayProbe(Trial):
-    """One simulated run of the budget match (no learning): an arm at a budget, from one seed's workload."""
-
-    arm: str
-    budget_groups: int
-    steps_per_s: float
-    staleness_mean: float
-    stalled: bool
-    """The simulated run deadlocked at this budget (a whole-batch policy below one batch in flight)."""
-
-
 def _by_seed(rows: Sequence[Trial], arm: str) -> dict[int, ArmRun]:
     return {r.seed: r for r in rows if isinstance(r, ArmRun) and r.arm == arm}
 
@@ -226,14 +195,12 @@ def _match_note(rows: Sequence[Trial]) -> str:
             f"[{m.low:.2f}, {m.high:.2f}] over seeds")
 
 
-def throughput_ratio(rows: Sequence[Trial], arm: str) -> Measured:
+def throughput_ratio(rows: Sequence[Trial], arm: str,
+                     note: str = "ratio of raw steps/s within each seed's interleaved pass") -> Measured:
     """Per seed, ``arm``'s raw steps/s over train-batch's in the same pass; median [min, max] over seeds."""
     a, tb = _by_seed(rows, arm), _by_seed(rows, "train_batch")
-    simulated = any(isinstance(r, ReplayRun) for r in a.values())
     return median_range([a[s].steps_per_s / tb[s].steps_per_s for s in sorted(set(a) & set(tb))
-                         if tb[s].steps_per_s > 0],
-                        note="ratio of simulated steady-state steps/s per seed" if simulated else
-                        "ratio of raw steps/s within each seed's interleaved pass")
+                         if tb[s].steps_per_s > 0], note=note)
 
 
 def arch_reduction(rows: Sequence[Trial], kt_arm: str = "knittrans_matched") -> Measured:
@@ -256,7 +223,8 @@ _CMP_MATCHED = ("same seeds, warm start, prompt stream, batch shape (P x n, M mi
                 "KnitTrans at the smallest budget whose raw steps/s matched train-batch's in interleaved probes "
                 "(the measured match is in the note and in quality_throughput_match)")
 
-def _context_claims(table: str, prefix: str, rate: str, matched: str, same_budget: str) -> tuple[Claim, ...]:
+def _context_claims(table: str, prefix: str, rate: str, matched: str, same_budget: str,
+                    rate_note: str = "ratio of raw steps/s within each seed's interleaved pass") -> tuple[Claim, ...]:
     """The context both learning tables report beside the target: KnitTrans at train-batch's budget, the
     throughput match and the architectural staleness reduction (``rate`` names how steps/s was measured)."""
     return (
@@ -268,7 +236,8 @@ def _context_claims(table: str, prefix: str, rate: str, matched: str, same_budge
               comparison=same_budget),
         Claim(f"{prefix}_throughput_match", table, ClaimKind.MEASUREMENT, paper="(>= 1: matched)", unit="x",
               definition=f"{rate} of KnitTrans at its matched budget over train-batch's, per seed; median "
-                         "[min, max] over seeds", measure=lambda rows: throughput_ratio(rows, "knittrans_matched")),
+                         "[min, max] over seeds",
+              measure=lambda rows: throughput_ratio(rows, "knittrans_matched", rate_note)),
         Claim(f"{prefix}_arch_staleness_reduction", table, ClaimKind.MEASUREMENT, paper="0.93 (staleness table)",
               unit="fraction",
               definition="per seed 1 - A_kt / A_tb, A = mean measured staleness - colocated's, KnitTrans at its "
@@ -378,54 +347,11 @@ CLAIMS = CLAIMS + (
                        f"median [min, max] over seeds", measure=_per_arm(arm, "wall_s")) for arm in MM_ARMS),
 )
 
-_CMP_REPLAY = ("same seeds, workload, prompts, per-trajectory random draws, learner and step count; every schedule "
-               "simulated with the staleness table's time model (budget release at step end); KnitTrans at the "
-               "smallest budget whose simulated steps/s reaches train-batch's (the match is in the note and in "
-               "replay_throughput_match)")
-_REPLAY_WHAT = "expected reward (exact; the replay learner of knittrans.sim.replay)"
-
-
-def _lr_note(rows: Sequence[Trial]) -> str:
-    lrs = sorted({r.lr for r in rows if isinstance(r, ReplayRun)})
-    return f"learner lr {lrs} (its sensitivity to staleness)"
-
-
-def _replay_narrowed(rows: Sequence[Trial]) -> Measured:
-    m = gap_narrowed(rows)
-    return dataclasses.replace(m, note=f"{m.note}; {_lr_note(rows)}")
-
-
-CLAIMS = CLAIMS + (
-    Claim("quality_gap_narrowed", REPLAY_TABLE, ClaimKind.TARGET, paper=_PAPER_NARROWED, unit="AUC",
-          definition=_NARROWED.format(what=_REPLAY_WHAT, verdict="; holds if > 0"), measure=_replay_narrowed,
-          bound=Bound(">", 0.0), gate=Bound(">", 0.0), comparison=_CMP_REPLAY),
-    Claim("replay_gap", REPLAY_TABLE, ClaimKind.MEASUREMENT, paper="(the gap to narrow)", unit="AUC",
-          definition="per-seed paired AUC(colocated) - AUC(train-batch) of the replayed schedules, mean with 95% "
-                     "t-interval; range [-1, 1]", measure=_gap, comparison=_CMP_REPLAY),
-    Claim("replay_gap_closed", REPLAY_TABLE, ClaimKind.MEASUREMENT, paper="(fraction of the gap)", unit="fraction",
-          definition="(mean AUC_kt - mean AUC_tb) / (mean AUC_colocated - mean AUC_tb) over paired seeds, KnitTrans "
-                     "at its matched budget; 1 = as good as colocated, > 1 = better (fresher than colocated's "
-                     "(M-1)/2); not measured unless the gap's interval lies above 0",
-          measure=gap_closed, comparison=_CMP_REPLAY),
-    *_context_claims(REPLAY_TABLE, "replay", "simulated steady-state steps/s", _CMP_REPLAY,
-                     "same seeds, workload, learner, step count and in-flight budget (P groups)"),
-    *(Claim(f"replay_{key}_{arm}", REPLAY_TABLE, ClaimKind.MEASUREMENT, paper="(measured)", unit=unit,
-            definition=f"{what} of a {arm} replay; median [min, max] over seeds", measure=_per_arm(arm, key))
-      for arm in ARMS for key, unit, what in (
-          ("staleness_mean", "steps", "mean v_train - v_gen over every trajectory"),
-          ("auc", "reward", "AUC (mean held-out expected reward over the steps, 0 included)"),
-          ("clip_frac", "fraction", "fraction of the samples with a non-zero advantage whose ratio left the clip "
-                                    "range"))),
-)
-
-GATES = {REPLAY_TABLE: "repro.quality_replay"}
-
-
-def matched_budget(probes: Sequence[ThroughputProbe | ReplayProbe], target: float = 1.0) -> tuple[int, float]:
+def matched_budget(probes: Sequence[ThroughputProbe | "ReplayProbe"], target: float = 1.0) -> tuple[int, float]:
     """The smallest KnitTrans budget whose median (over passes) raw steps/s ratio to train-batch's in the same
     pass is >= ``target``, with that ratio; if none reaches it, the budget with the highest ratio. A pass is a
     ``ThroughputProbe``'s ``pass_index``, or a ``ReplayProbe``'s seed (one simulated run per seed and budget)."""
-    def pass_of(p: ThroughputProbe | ReplayProbe) -> int:
+    def pass_of(p: ThroughputProbe | "ReplayProbe") -> int:
         return p.pass_index if isinstance(p, ThroughputProbe) else p.seed
 
     tb = {pass_of(p): p.steps_per_s for p in probes if p.arm == "train_batch"}

@@ -9,7 +9,8 @@ import pytest
 
 from repro.spec import evaluate
 from repro.spec.core import Status
-from repro.spec.quality import ARMS, QualityRun, ReplayProbe, ReplayRun, ThroughputProbe, matched_budget
+from repro.spec.quality import ARMS, QualityRun, ThroughputProbe, matched_budget
+from repro.spec.quality_replay import ReplayProbe, ReplayRun
 from repro.spec.simcheck import FLOW_DETERMINED_SPREAD, SimCheckRun
 
 SEEDS = range(5)
