@@ -346,16 +346,16 @@ def plot(results: Results, rows: Sequence[TransferTrialBase]) -> None:
 
 
 def gate_trials(table: str, passes: int | None = None) -> list[TransferTrialBase]:
-    """CI size (~a minute on 2 cores): the headline pair, 3 interleaved passes of 3 batches (two measured), batch
-    b+1 completing two steps before batch b ends (``lead_steps=2``: a window that a prefetcher on a loaded 2-core
-    runner still makes, and a handoff without one never does). Text: 32 x 16 trajectories, with in-process
+    """CI size (~a minute on 2 cores per table): the headline pair, interleaved passes of 3 batches (two measured),
+    batch b+1 completing two steps before batch b ends (``lead_steps=2``: a window that a prefetcher on a loaded
+    2-core runner still makes, and a handoff without one never does). Text: 32 x 16 trajectories, with in-process
     KnitTrans beside the pair and a raw pass per system (the get-bandwidth claims). Multimodal: 16 prompts x n=16
-    with one 224px image each (19 MB distinct, 0.3 GB with one copy per sample: pixel bytes dominate, as at scale,
-    so the raw ratio reflects dedup more than round trips), M=2, steady passes and 3 raw passes per pass (their
-    median), group placement as when the bounds were set (spread, the table's default, adds a unit and its round
-    trips to each share on one machine; the table reports it), K=5 passes: its ratio's margin is thin at this size
-    (CI-run medians 1.09-1.8), and with 3 passes one or two loaded passes decided it. ``passes``: K (default 3 for
-    text, 5 for multimodal; injected-regression tests run fewer)."""
+    with one 336px image each (37 MB distinct, 0.59 GB with one copy per sample: pixel bytes dominate, as at
+    scale, so the raw ratio separates dedup from its absence: 1.56-1.75 with it, 0.61-0.86 with dedup off in the
+    plane; at 224px the two overlapped, docs/experiments.md session 22), M=2, steady passes and 3 raw passes per
+    pass (their median), group placement as when the bounds were set (spread, the table's default, adds a unit and
+    its round trips to each share on one machine; the table reports it). ``passes``: K (default 3 for text, 5 for
+    multimodal; injected-regression tests run fewer)."""
     pair = [System.CENTRALIZED.value, System.KNITTRANS_RAY.value]
     if table == "transfer-text":  # + in-process KnitTrans and raw passes: the get-bandwidth gates
         passes = 3 if passes is None else passes
@@ -366,7 +366,7 @@ def gate_trials(table: str, passes: int | None = None) -> list[TransferTrialBase
         passes = 5 if passes is None else passes
         cfg = TransferConfig(workload="multimodal", systems=pair, num_batches=3, num_minibatches=2, lead_steps=2,
                              raw_repeats=3, passes=passes,
-                             multimodal=MMTransferWorkload(prompts_per_batch=16, group_size=16, image_side=224,
+                             multimodal=MMTransferWorkload(prompts_per_batch=16, group_size=16, image_side=336,
                                                            placement="group"),
                              compute_s_per_minibatch=0.25, logger="none")
     else:

@@ -23,6 +23,7 @@ from knittrans.bench.loop import Notify, rank_loop
 from knittrans.bench.types import StepSource
 from knittrans.dataplane import trace
 from knittrans.dataplane.harness import RankTrace, Signals
+from knittrans.dataplane.heap import freeze_startup_heap
 
 
 @ray.remote(num_cpus=0, max_concurrency=64)
@@ -78,6 +79,7 @@ class RankActor:
         self.rank = rank
         self.last_done: float | None = None  # end of this rank's last step (when it was ready for the next)
         self.events: list = []  # trace events of calls with RankRun.trace
+        freeze_startup_heap()  # every system's steps run in these actors: the same process set-up for all
 
     def ready(self) -> int:
         return self.rank

@@ -41,6 +41,7 @@ from knittrans.dataplane import trace
 from knittrans.dataplane.wire import WireList, unwrap
 from knittrans.dataplane.client import DataPlaneClient, PrepareConfig
 from knittrans.dataplane.controller import Controller, ControllerConfig, ControllerStats, HandoffRecord
+from knittrans.dataplane.heap import freeze_startup_heap
 from knittrans.dataplane.buffers import BufferPool
 from knittrans.dataplane.recovery import CompleteEvent, ControllerJournal, JournalState, RecoveryError, Released
 from knittrans.dataplane.storage import StorageUnit, UnitStats, packed_chunk
@@ -66,6 +67,7 @@ class UnitHost:
             from knittrans.dataplane.faults import FaultyUnit
 
             self.unit = FaultyUnit(self.unit, faults)
+        freeze_startup_heap()
 
     def put(self, payloads: Sequence[TrajectoryPayload] | WireList) -> WireList:
         """``StorageUnit.put``; payloads and records travel in their compact wire form (``wire``)."""
@@ -103,7 +105,16 @@ class UnitHost:
 StorageUnitActor = ray.remote(num_cpus=0, max_concurrency=8)(UnitHost)
 
 # The controller's journal in its own process: it outlives controller restarts (it is small: what is in flight).
-JournalActor = ray.remote(num_cpus=0, max_concurrency=4)(ControllerJournal)
+class JournalHost(ControllerJournal):
+    """The body of ``JournalActor``: a ``ControllerJournal`` whose process exempts its start-up heap from full
+    collections (``heap.freeze_startup_heap``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        freeze_startup_heap()
+
+
+JournalActor = ray.remote(num_cpus=0, max_concurrency=4)(JournalHost)
 
 
 def _journal_call(ref: "ray.ObjectRef") -> None:
@@ -227,6 +238,7 @@ class ControllerHost:
             if state is not None:  # Ray restarted this actor: rebuild from the journal and the units
                 self._restore(state)
             journal.flush()
+        freeze_startup_heap()
 
     def _restore(self, state: JournalState) -> None:
         refs = {u: a.manifest.remote() for u, a in self.unit_actors.items()}

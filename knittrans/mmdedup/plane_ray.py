@@ -21,6 +21,7 @@ import ray
 
 from knittrans.dataplane.client import PrepareConfig
 from knittrans.dataplane.controller import ControllerConfig
+from knittrans.dataplane.heap import freeze_startup_heap
 from knittrans.dataplane.ray_transport import RayDataPlane, UnitHost, check_restarts, start_actors
 from knittrans.dataplane.types import TrajectorySchema, UnitChunk
 from knittrans.mmdedup.keys import HashFn, ImageKey, encoding_hash_fn
@@ -36,6 +37,7 @@ class MMUnitHost(UnitHost):
 
         torch.set_num_threads(1)
         self.unit = MMStorageUnit(unit_id, node, schema, hash_fn, dedup)
+        freeze_startup_heap()
 
     def get(self, traj_ids: Sequence[int], fields: Sequence[str],
             serve: Collection[ImageKey] | None = None) -> UnitChunk:

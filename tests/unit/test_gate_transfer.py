@@ -66,7 +66,8 @@ def test_mm_bytes_and_raw_gates_fail_when_dedup_is_off_in_the_plane(ray_up, monk
     from repro.transfer import gate_trials
 
     inject.dedup_off_in_the_plane(monkeypatch)
-    v = verdicts("transfer-multimodal", gate_trials("transfer-multimodal", passes=1))
+    # 3 passes: one pass of the baseline on a loaded runner can take 2x its median (0.61-0.86 over 3-pass medians)
+    v = verdicts("transfer-multimodal", gate_trials("transfer-multimodal", passes=3))
     assert v["mm_bytes_ratio"].status is Status.FAILS and v["mm_bytes_ratio"].measured.value == pytest.approx(1 / 16)
     assert v["mm_transfer_latency_ratio"].status is Status.FAILS, v["mm_transfer_latency_ratio"].measured
     assert v["mm_store_live_bytes_after"].status is Status.HOLDS  # every occurrence stored, every one released
