@@ -58,7 +58,7 @@ class ClusterConfig:
     num_minibatches: int = 2
     num_ranks: int = 2
     num_units: int = 2
-    passes: int = 5
+    passes: int = 3
     """K interleaved raw passes per setting (each system once per pass, order rotated)."""
     single_raylet: bool = True
     """Also run the passes on one raylet (the one-machine measurement beside the multi-raylet one)."""

@@ -39,7 +39,7 @@ class ReliabilityConf:
     """wandb (offline unless WANDB_MODE=online) or none."""
     load_trajectories: int = 1_000_000
     """Trajectories pushed through the in-process data plane (the issue's flat-memory load)."""
-    ray_load_trajectories: int = 100_000
+    ray_load_trajectories: int = 50_000
     """Trajectories of the Ray load (actors on one machine: ~10x slower per trajectory than in process)."""
     load_minibatch: int = 1000
     """Trajectories per admitted mini-batch in the load runs."""

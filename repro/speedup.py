@@ -49,7 +49,7 @@ class SpeedupConfig:
 
     scale: str = "default"
     """"default" (CPU-sized, below) or "paper" (448 x 448 images, 64 prompts, M=4, 8 ranks, 4 units)."""
-    group_sizes: list[int] = field(default_factory=lambda: [4, 8, 16])
+    group_sizes: list[int] = field(default_factory=lambda: [8, 16])
     """n: samples per prompt, swept."""
     images_per_prompt: list[int] = field(default_factory=lambda: [1, 2])
     """Images per prompt, swept."""
