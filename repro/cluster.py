@@ -72,7 +72,7 @@ class ClusterConfig:
     """Projection: trainer ranks R (and as many rollout nodes)."""
     group_sizes: list[int] = field(default_factory=lambda: [4, 8, 16])
     """Projection: n."""
-    step_repeats: int = 3
+    step_repeats: int = 2
     """Timed training steps per system for the step balance (median)."""
     out_dir: str = "results/transfer-cluster"
     logger: str = "wandb"

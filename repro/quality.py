@@ -59,8 +59,8 @@ class MMQuality:
     """M: optimizer steps per batch (2 groups each: train-batch's staleness ~M, KnitTrans's ~1)."""
     lr: float = 1e-3
     """Adam learning rate (clip and KL: the table's ``clip_eps`` and ``kl_coef``)."""
-    warm_max_steps: int = 200
-    """Most supervised warm-start steps (``MMWarmStartConfig.max_steps``; 300 until session 22: half the time)."""
+    warm_max_steps: int = 150
+    """Most supervised warm-start steps (``MMWarmStartConfig.max_steps``; 300 until session 22: it was half the time)."""
     warm_target: float = 0.5
     """The warm start stops at this evaluation accuracy (``MMWarmStartConfig.target_accuracy``)."""
     knittrans_budget: int = 0
@@ -69,7 +69,7 @@ class MMQuality:
     """Groups per generation call."""
     eval_every: int = 8
     """Held-out evaluation every this many steps (step 0 included)."""
-    heldout: int = 128
+    heldout: int = 96
     """Held-out prompts (``MMCountingTask.heldout``): greedy accuracy and one T = 1 sample each."""
     max_new_tokens: int = 3
     """Response cap (a count's digit + EOS fit in 2)."""
@@ -88,8 +88,8 @@ class QualityConfig:
 
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])
     """One paired comparison (every arm from the same warm start) per seed; >= 2 for an interval."""
-    num_batches: int = 8
-    """Training batches per run; optimizer steps = num_batches * num_minibatches: 128 at the defaults (480, then
+    num_batches: int = 6
+    """Training batches per run; optimizer steps = num_batches * num_minibatches: 96 at the defaults (480, then
     256 until session 22; cut for ``make repro``'s time: measurements only, the target is decided on the replay)."""
     prompts_per_batch: int = 128
     """P: prompts per batch."""
@@ -112,7 +112,7 @@ class QualityConfig:
     """KnitTrans's matched budget in groups; 0 = found by the throughput probes below."""
     match_budgets: list[int] = field(default_factory=list)
     """Candidate KnitTrans budgets for the match; [] = 1, 2, 4 ... mini-batches' worth of groups, up to P."""
-    match_batches: int = 3
+    match_batches: int = 2
     """Training batches per probe run."""
     match_passes: int = 2
     """Interleaved probe passes (train-batch and every candidate once per pass)."""
@@ -124,7 +124,7 @@ class QualityConfig:
     """k for every_k."""
     wave_groups: int = 8
     """Groups per generation call (one mini-batch's worth at the defaults)."""
-    eval_every: int = 32
+    eval_every: int = 24
     """Held-out evaluation every this many optimizer steps (step 0 included)."""
     heldout: int = 256
     """Held-out problems (fixed set, greedy decoding)."""

@@ -49,7 +49,7 @@ class SimCheckConf:
     prompts_per_batch: int = 32
     group_size: int = 8
     num_minibatches: int = 8
-    num_batches: int = 6
+    num_batches: int = 4
     warm_steps: int = 100
     """Supervised warm-start steps per seed (the policy's responses, hence the lengths, depend on it)."""
     wave_groups: list[int] = field(default_factory=lambda: [1, 4])

@@ -51,7 +51,7 @@ class SpeedupConfig:
     """"default" (CPU-sized, below) or "paper" (448 x 448 images, 64 prompts, M=4, 8 ranks, 4 units)."""
     group_sizes: list[int] = field(default_factory=lambda: [8, 16])
     """n: samples per prompt, swept."""
-    images_per_prompt: list[int] = field(default_factory=lambda: [1, 2])
+    images_per_prompt: list[int] = field(default_factory=lambda: [2])
     """Images per prompt, swept."""
     prompts_per_batch: int = 4
     """P (a multiple of num_minibatches x num_ranks: whole groups per rank share)."""
@@ -78,7 +78,7 @@ class SpeedupConfig:
     placement: str = "spread"
     """Where a group's samples are generated (``MMTransferWorkload.placement``): spread over the rollout units
     (verl's least-loaded agent loop) or all on one unit (group)."""
-    verl_mm: bool = True
+    verl_mm: bool = False
     """Also run ``verl-mm`` (``baselines.verl_mm``: verl's own multimodal step, three dispatches of per-sample
     multi_modal_inputs) in the transfer passes (claim ``mm_transfer_train_speedup_verl``); the gate skips it."""
     out_dir: str = "results/speedup"

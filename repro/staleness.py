@@ -72,8 +72,8 @@ class SweepConf:
 
     enabled: bool = True
     prompts_per_batch: int = 64
-    num_minibatches: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
-    group_sizes: list[int] = field(default_factory=lambda: [4, 8, 16])
+    num_minibatches: list[int] = field(default_factory=lambda: [1, 4, 16])
+    group_sizes: list[int] = field(default_factory=lambda: [4, 16])
     tails: list[str] = field(default_factory=lambda: ["light", "heavy"])
     num_batches: int = 5
     warmup_batches: int = 2

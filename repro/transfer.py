@@ -213,11 +213,13 @@ def trial_row(cfg: TransferConfig, rec: PassRecord, memcpy: float, distinct_pixe
                   measured_batches=len(st.exposed) if st is not None else 0,
                   live_bytes_after=max((r.live_bytes_after for r in (st, raw) if r is not None
                                         and r.live_bytes_after is not None), default=None))
-    get_gbps = raw.get_gbps if raw is not None and np.isfinite(raw.get_gbps) else None
+    common["get_gbps"] = raw.get_gbps if raw is not None and np.isfinite(raw.get_gbps) else None
+    if raw is not None and raw.get_parts:  # the gets' profile: claim, read, pack seconds summed over the pass
+        common.update(zip(("claim_s", "read_s", "pack_s"), (sum(p[i] for p in raw.get_parts) for i in range(3))))
     if Workload(cfg.workload) is Workload.MULTIMODAL:
         return MMTransferTrial(**common, group_size=cfg.multimodal.group_size, pixel_bytes=last.pixel_nbytes,
-                               distinct_pixel_bytes=distinct_pixel_bytes, get_gbps=get_gbps)
-    return TextTransferTrial(**common, get_gbps=get_gbps)
+                               distinct_pixel_bytes=distinct_pixel_bytes)
+    return TextTransferTrial(**common)
 
 
 def measure(cfg: TransferConfig, progress: bool = True) -> tuple[list[TransferTrialBase], dict]:
@@ -352,11 +354,11 @@ def gate_trials(table: str, passes: int | None = None) -> list[TransferTrialBase
     2-core runner still makes, and a handoff without one never does). Text: 32 x 16 trajectories, with in-process
     KnitTrans beside the pair and a raw pass per system (the get-bandwidth claims). Multimodal: 16 prompts x n=16
     with one 336px image each (37 MB distinct, 0.59 GB with one copy per sample: pixel bytes dominate, as at
-    scale, so the raw ratio separates dedup from its absence: 1.56-1.75 with it, 0.61-0.86 with dedup off in the
-    plane; at 224px the two overlapped, docs/experiments.md session 22), M=2, steady passes and 3 raw passes per
-    pass (their median), group placement as when the bounds were set (spread, the table's default, adds a unit and
-    its round trips to each share on one machine; the table reports it). ``passes``: K (default 3 for text, 5 for
-    multimodal; injected-regression tests run fewer)."""
+    scale: the raw ratio reads 1.56-1.75; 0.14 with reads of one trajectory per unit call; with dedup off
+    0.6-1.8, the baseline's raw pass varying 0.2-0.6 s for the same bytes, so the bytes gate catches that one),
+    M=2, steady passes and 3 raw passes per pass (their median), group placement as when the bounds were set
+    (spread, the table's default, adds a unit and its round trips to each share on one machine; the table reports
+    it). ``passes``: K (default 3 for text, 5 for multimodal; injected-regression tests run fewer)."""
     pair = [System.CENTRALIZED.value, System.KNITTRANS_RAY.value]
     if table == "transfer-text":  # + in-process KnitTrans and raw passes: the get-bandwidth gates
         passes = 3 if passes is None else passes

@@ -129,7 +129,10 @@ def save_policy(model, tokenizer, path: str | Path) -> Path:
 
 def encode_prompts(tokenizer, prompts: Sequence[str]) -> list[list[int]]:
     """Token ids of each prompt with BOS in front (no padding)."""
-    return [[tokenizer.bos_token_id] + tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    if not prompts:
+        return []
+    ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]  # one batched call (Rust), not one each
+    return [[tokenizer.bos_token_id] + x for x in ids]
 
 
 # -- supervised warm start ------------------------------------------------------------------------------------
@@ -171,7 +174,8 @@ def warm_start(model, tokenizer, task: ArithTask, cfg: WarmStartConfig) -> None:
 def _supervised_batch(tokenizer, probs: Sequence[ArithProblem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded (ids, labels, attention mask); labels are -100 except on answer tokens and EOS."""
     prompts = encode_prompts(tokenizer, [p.prompt for p in probs])
-    answers = [tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for p in probs]
+    answers = [a + [tokenizer.eos_token_id]
+               for a in tokenizer([p.answer for p in probs], add_special_tokens=False)["input_ids"]]
     width = max(len(a) + len(b) for a, b in zip(prompts, answers))
     ids = torch.full((len(probs), width), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full_like(ids, -100)

@@ -56,15 +56,16 @@ class ConsumerSource:
             share = next(self._it, None)
             if share is None:
                 raise RuntimeError(f"rank {c.rank}: the handoff ended before step {step}")
-            get_s = c.events[-1].fetch_s
+            get_s, timing = c.events[-1].fetch_s, c.events[-1].timing
         else:
             seq = c.start_seq + step
             c.client.controller.next_admitted(seq, ADMIT_TIMEOUT_S)  # the get's latency excludes the wait for it
             t = time.perf_counter()
             share = c.client.fetch_next(seq, c.rank, c.fields, timeout=ADMIT_TIMEOUT_S, ack=False)
-            get_s = time.perf_counter() - t
+            get_s, timing = time.perf_counter() - t, c.client.thread_timing()
         self._held[step] = share
-        return Obtained(share.nbytes, share.num_tokens, get_s, int(getattr(share, "pixel_nbytes", 0)))
+        parts = (timing.claim_s, timing.read_s, timing.pack_s) if timing is not None else ()
+        return Obtained(share.nbytes, share.num_tokens, get_s, int(getattr(share, "pixel_nbytes", 0)), parts)
 
     def release(self, step: int) -> None:
         self.consumer.ack(self._held.pop(step))

@@ -58,7 +58,7 @@ def rank_loop(rank: int, source: StepSource, num_batches: int, num_minibatches: 
             emulate_compute(got.tokens, iters_per_token)
             source.release(i)
             out.append(MiniBatchTiming(k, t_ask, t_got, time.perf_counter(), got.get_s, got.nbytes, got.tokens,
-                                       batch=first_batch + b, pixel_nbytes=got.pixel_nbytes))
+                                       batch=first_batch + b, pixel_nbytes=got.pixel_nbytes, fetch_parts=got.parts))
     finally:
         source.close()
     return RankTrace(rank, tuple(out))
@@ -101,8 +101,14 @@ def finish_raw(traces: Sequence[RankTrace], t0: float, bytes_moved: int | None =
     return PassResult(PassKind.RAW, raw_s=max(m.t_got for tr in traces for m in tr.timings) - t0,
                       get_s=tuple(m.fetch_s for tr in traces for m in tr.timings),
                       get_nbytes=tuple(m.nbytes for tr in traces for m in tr.timings),
+                      get_parts=_parts([m.fetch_parts for tr in traces for m in tr.timings]),
                       bytes_moved=got if bytes_moved is None else bytes_moved, pixel_nbytes=pixels,
                       live_bytes_after=live_bytes_after)
+
+
+def _parts(parts: list[tuple[float, ...]]) -> tuple[tuple[float, float, float], ...]:
+    """Every get's (claim, read, pack), or () unless every get recorded them (so they align with ``get_s``)."""
+    return tuple(parts) if parts and all(len(p) == 3 for p in parts) else ()  # type: ignore[return-value]
 
 
 def finish_steady(traces: Sequence[RankTrace], t0: Mapping[int, float], warmup: int,
@@ -126,6 +132,8 @@ def median_raw(results: Sequence[PassResult]) -> PassResult:
     nearest = min(results, key=lambda r: abs(r.raw_s - med))  # its trace (if recorded) stands for the median
     return PassResult(PassKind.RAW, raw_s=med,
                       get_s=tuple(g for r in results for g in r.get_s),
-                      get_nbytes=tuple(b for r in results for b in r.get_nbytes), bytes_moved=results[-1].bytes_moved,
+                      get_nbytes=tuple(b for r in results for b in r.get_nbytes),
+                      get_parts=tuple(p for r in results for p in r.get_parts) if all(r.get_parts for r in results)
+                      else (), bytes_moved=results[-1].bytes_moved,
                       pixel_nbytes=results[-1].pixel_nbytes, live_bytes_after=max(lives) if lives else None,
                       trace=nearest.trace, t0=nearest.t0)

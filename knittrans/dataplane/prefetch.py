@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from knittrans.dataplane.client import DataPlaneClient
+from knittrans.dataplane.client import DataPlaneClient, FetchTiming
 from knittrans.dataplane.types import DataPlaneClosedError, PackedShare
 
 _WAKE_S = 0.5  # longest a blocked worker takes to notice close()
@@ -57,6 +57,8 @@ class PrefetchEvent:
     t_ready: float
     t_handed: float
     fetch_s: float
+    timing: FetchTiming | None = None
+    """Where ``fetch_s`` went: claim, unit reads, packing (the client's ``FetchTiming``)."""
 
 
 @dataclass
@@ -151,7 +153,7 @@ class Prefetcher:
                     return
                 timing = self.client.thread_timing()
                 fetch_s = timing.claim_s + timing.read_s + timing.pack_s if timing else 0.0
-                self._post(seq, (share, seq, t_wait, time.perf_counter(), fetch_s))
+                self._post(seq, (share, seq, t_wait, time.perf_counter(), fetch_s, timing))
             except DataPlaneClosedError:
                 self._post(seq, _End())
                 return
@@ -200,10 +202,10 @@ class Prefetcher:
         if isinstance(item, _Failure):
             self._finished = True
             raise item.error
-        share, seq, t_wait, t_ready, fetch_s = item
+        share, seq, t_wait, t_ready, fetch_s, timing = item
         if not self.config.ack_on_fetch and self.config.ack_on_next:
             self._handed = share
-        self.events.append(PrefetchEvent(seq, t_wait, t_ready, time.perf_counter(), fetch_s))
+        self.events.append(PrefetchEvent(seq, t_wait, t_ready, time.perf_counter(), fetch_s, timing))
         return share
 
     def _ack_previous(self) -> None:

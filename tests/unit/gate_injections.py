@@ -101,8 +101,9 @@ class PerTrajectoryGetter:
 
     inner: Callable
 
-    def __call__(self, requests, fields):  # noqa: ANN001, ANN204
-        return [ch for u, ts in requests for t in ts for ch in self.inner([(u, (t,))], fields)]
+    def __call__(self, requests, fields, unit_args=None):  # noqa: ANN001, ANN204
+        extra = () if unit_args is None else (unit_args,)  # multimodal: the images each unit serves the share
+        return [ch for u, ts in requests for t in ts for ch in self.inner([(u, (t,))], fields, *extra)]
 
 
 class PerTrajectoryReadsConsumer(Consumer):

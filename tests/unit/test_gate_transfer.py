@@ -62,15 +62,25 @@ def test_ray_get_bandwidth_gate_fails_when_reads_go_one_trajectory_at_a_time(ray
 
 
 @pytest.mark.ray
-def test_mm_bytes_and_raw_gates_fail_when_dedup_is_off_in_the_plane(ray_up, monkeypatch):
+def test_mm_bytes_gate_fails_when_dedup_is_off_in_the_plane(ray_up, monkeypatch):
+    """Dedup off moves every occurrence: the bytes gate fails exactly. The raw-latency gate is not asserted here:
+    on one machine the baseline's raw pass varies 0.2-0.6 s for the same 0.59 GB, so the 2.6x slower KnitTrans
+    read it 0.6-1.8 against its bound of 1 (session 22); the next test injects a regression that gate catches."""
     from repro.transfer import gate_trials
 
     inject.dedup_off_in_the_plane(monkeypatch)
-    # 3 passes: one pass of the baseline on a loaded runner can take 2x its median (0.61-0.86 over 3-pass medians)
-    v = verdicts("transfer-multimodal", gate_trials("transfer-multimodal", passes=3))
+    v = verdicts("transfer-multimodal", gate_trials("transfer-multimodal", passes=1))
     assert v["mm_bytes_ratio"].status is Status.FAILS and v["mm_bytes_ratio"].measured.value == pytest.approx(1 / 16)
-    assert v["mm_transfer_latency_ratio"].status is Status.FAILS, v["mm_transfer_latency_ratio"].measured
     assert v["mm_store_live_bytes_after"].status is Status.HOLDS  # every occurrence stored, every one released
+
+
+@pytest.mark.ray
+def test_mm_raw_gate_fails_when_reads_go_one_trajectory_at_a_time(ray_up, monkeypatch):
+    from repro.transfer import gate_trials
+
+    inject.reads_one_trajectory_at_a_time(monkeypatch)  # one unit call per trajectory (0.14 measured; bound 1)
+    v = verdicts("transfer-multimodal", gate_trials("transfer-multimodal", passes=1))
+    assert v["mm_transfer_latency_ratio"].status is Status.FAILS, v["mm_transfer_latency_ratio"].measured
 
 
 @pytest.mark.ray
@@ -151,6 +161,22 @@ def test_memcpy_fraction_is_the_median_per_pass_ratio_and_flips_at_its_bound(nam
     assert v.measured.low == pytest.approx(0.5 * bound) and "GB/s" in v.measured.note
     rows[2] = dataclasses.replace(rows[2], get_gbps=0.9 * bound * 5.0)
     assert c.evaluate(rows).status is Status.FAILS  # median 0.9 x bound; the best pass never decides
+
+
+def test_a_missed_bandwidth_goal_carries_the_gets_profile_from_the_same_passes():
+    import dataclasses
+
+    c = claim("ray_fraction_of_memcpy")
+    parts = [(0.02, 0.05, 0.03), (0.01, 0.06, 0.03), (0.03, 0.05, 0.02)]  # claim, read, pack seconds per pass
+    rows = [dataclasses.replace(text_row(p, "knittrans-ray", 0.01), get_gbps=0.1, claim_s=cl, read_s=rd, pack_s=pk)
+            for p, (cl, rd, pk) in enumerate(parts)]
+    v = c.evaluate(rows)
+    assert v.status is Status.FAILS  # 0.1 / 5 GB/s
+    assert "claim 20%, unit reads 50%, pack 30% of their time" in v.measured.note  # medians per part over passes
+    v = c.evaluate([dataclasses.replace(r, claim_s=None) for r in rows])  # rows without the profile
+    assert "profile" not in v.measured.note and v.status is Status.FAILS
+    tq = claim("tq_get_latency_ratio").evaluate([*rows, text_row(0, "transferqueue", None, get=0.04)])
+    assert tq.measured.value == pytest.approx(4.0) and "unit reads 50%" in tq.measured.note
 
 
 def test_tq_ratio_is_not_measured_without_transferqueue_rows_and_is_never_a_verdict():
