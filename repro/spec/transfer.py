@@ -84,12 +84,9 @@ class MMTransferTrial(TransferTrialBase):
     get_gbps: float | None = None
     """As ``TextTransferTrial.get_gbps``."""
     claim_s: float | None = None
-    """Raw pass, KnitTrans: of the gets' time (``get_gbps``'s denominator, summed over the pass's gets), the part
-    spent claiming (the controller round trip, without the wait for admission); None where not recorded."""
+    """As ``TextTransferTrial.claim_s`` (and ``read_s``, ``pack_s``: the gets' profile)."""
     read_s: float | None = None
-    """Of the same, the unit reads (every unit's chunk requested at once, then received)."""
     pack_s: float | None = None
-    """Of the same, verifying and packing the chunks into the rank's share."""
 
 
 # -- measures -------------------------------------------------------------------------------------------------
