@@ -73,7 +73,7 @@ def validate_payload(schema: TrajectorySchema, p: TrajectoryPayload) -> dict[str
 def stored_copy(arr: np.ndarray) -> np.ndarray:
     """The unit's own read-only copy of a field (copy on put: what the producer does with its buffer afterwards,
     and what a reader does with what it got, can never change stored bytes)."""
-    own = np.array(arr, copy=True, order="C")
+    own = arr.copy(order="C")
     own.flags.writeable = False
     return own
 
@@ -111,6 +111,7 @@ class StorageUnit:
         self.schema = schema
         self._data: dict[int, dict[str, np.ndarray]] = {}
         self._sums: dict[int, dict[str, int]] = {}  # the producers' checksums of stored fields (for ``manifest``)
+        self._nbytes = 0  # bytes of every stored field (kept up to date by put, drop and clear: ``stats`` is O(1))
         self._lock = threading.Lock()
 
     def put(self, payloads: Sequence[TrajectoryPayload],
@@ -146,7 +147,8 @@ class StorageUnit:
                 # Copy on put: a producer that reuses or edits its buffer after put() cannot change stored bytes
                 # (one copy per field; the stored copy is read-only, so no reader can edit it in place either).
                 stored = {name: stored_copy(arr) for name, arr in new.items()}
-                self._data.setdefault(p.traj_id, {}).update(stored)
+                self._data.setdefault(p.traj_id, {}).update(stored)  # ``new`` holds only fields not yet stored
+                self._nbytes += sum(int(a.nbytes) for a in stored.values())
                 tok = arrs.get(self.schema.token_field)
                 sums = p.checksums or {}
                 kept = {n: sums[n] for n in new if sums.get(n) is not None}
@@ -206,6 +208,7 @@ class StorageUnit:
                 if not held:
                     del self._data[t]
                     self._sums.pop(t, None)
+            self._nbytes -= freed
         return freed
 
     def manifest(self) -> list[PutRecord]:
@@ -225,9 +228,9 @@ class StorageUnit:
             freed = sum(int(a.nbytes) for d in self._data.values() for a in d.values())
             self._data.clear()
             self._sums.clear()
+            self._nbytes = 0
         return freed
 
     def stats(self) -> UnitStats:
         with self._lock:
-            return UnitStats(self.unit_id, len(self._data),
-                             sum(int(a.nbytes) for d in self._data.values() for a in d.values()))
+            return UnitStats(self.unit_id, len(self._data), self._nbytes)

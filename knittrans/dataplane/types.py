@@ -139,7 +139,7 @@ class FieldSpec:
             lead = "(n, " if self.ragged else "("
             raise SchemaMismatchError(f"trajectory {traj_id}: field {self.name!r} has shape {shape}, schema says "
                                       f"{lead}{', '.join(map(str, self.tail))})")
-        if self.finite and value.dtype.kind == "f" and not np.isfinite(value).all():
+        if self.finite and value.dtype.kind == "f" and not np.logical_and.reduce(np.isfinite(value), axis=None):
             bad = np.flatnonzero(~np.isfinite(value.reshape(-1)))
             raise SchemaMismatchError(f"trajectory {traj_id}: field {self.name!r} holds {bad.size} non-finite "
                                       f"value(s) (first {value.reshape(-1)[bad[0]]} at flat index {bad[0]})")

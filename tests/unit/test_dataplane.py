@@ -257,3 +257,32 @@ def test_duplicate_put_is_rejected_and_the_original_survives():
         if t.traj_id in share.traj_ids:
             i = share.traj_ids.index(t.traj_id)
             np.testing.assert_array_equal(_unpack(share, "input_ids")[i].numpy(), t.input_ids)
+
+
+def test_unit_stats_bytes_track_every_put_drop_retry_and_clear():
+    """``StorageUnit.stats`` keeps a running byte count: after any mix of puts (identical retries included),
+    partial and whole drops, unknown ids and a clear, it equals the bytes actually held."""
+    from knittrans.dataplane import StorageUnit
+
+    rng = np.random.default_rng(5)
+    unit = StorageUnit("u0", "n0", TEXT_SCHEMA)
+    payloads = [t.payload() for t in _batch(prompts=6, seed=1).trajectories]
+
+    def held() -> int:
+        return sum(int(a.nbytes) for d in unit._data.values() for a in d.values())
+
+    for step in range(60):
+        op = rng.integers(0, 4)
+        p = payloads[int(rng.integers(0, len(payloads)))]
+        if op == 0:
+            unit.put([p])
+        elif op == 1:
+            unit.put([p])
+            unit.put([p])  # an identical retry stores nothing new
+        elif op == 2:
+            unit.drop([p.traj_id, 10**9], [str(rng.choice(TEXT_SCHEMA.names))])
+        else:
+            unit.drop([p.traj_id])
+        assert unit.stats().nbytes == held(), step
+    unit.clear()
+    assert unit.stats().nbytes == 0 == held()

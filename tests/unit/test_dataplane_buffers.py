@@ -8,6 +8,8 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from knittrans.dataplane import (FieldSpec, MiniBatchKey, PrepareConfig, ShareLocation, TrajectoryPayload,
                                  TrajectorySchema, UnitChunk, build_inprocess, pack_share)
@@ -210,3 +212,36 @@ def test_copy_rows_writes_what_numpy_would_and_never_past_its_output():
     np.testing.assert_array_equal(out3, np.concatenate(odd).astype(np.float32))
     with pytest.raises(ValueError):  # one row too many: numpy's shape error, never a write past the buffer
         copy_rows(rows, np.empty((11, 3), np.float32), ragged=True)
+
+
+@settings(max_examples=150, deadline=None)
+@given(dtype=st.sampled_from(["int64", "int32", "float32", "float16", "bool", "uint8", ">i4"]),
+       tail=st.sampled_from([(), (3,), (2, 2)]), lengths=st.lists(st.integers(0, 9), min_size=0, max_size=8),
+       ragged=st.booleans(), strided=st.booleans(), other_dtype=st.booleans())
+def test_copy_rows_matches_numpy_on_any_rows(dtype, tail, lengths, ragged, strided, other_dtype):
+    """The fast path (memoryview slices) and numpy's agree for every dtype, shape and layout, and a row of another
+    dtype is converted as numpy would, never copied as raw bytes."""
+    from knittrans.dataplane.buffers import copy_rows
+
+    rng = np.random.default_rng(len(lengths))
+    if not ragged:
+        lengths = [3] * len(lengths)
+    rows = []
+    for i, n in enumerate(lengths):
+        base = (rng.random((2 * n, *tail)) * 100).astype(dtype)
+        r = base[::2] if strided else base[:n]
+        if other_dtype and i == 0:
+            r = r.astype("float64")
+        rows.append(r)
+    if not rows:
+        return
+    shape = (sum(len(r) for r in rows), *tail) if ragged else (len(rows), *rows[0].shape)
+    want, out = np.zeros(shape, dtype), np.ones(shape, dtype)
+    try:
+        (np.concatenate if ragged else np.stack)(rows, out=want)
+    except (TypeError, ValueError) as e:  # e.g. an unsafe cast: copy_rows refuses it the same way
+        with pytest.raises(type(e)):
+            copy_rows(rows, out, ragged)
+        return
+    copy_rows(rows, out, ragged)
+    np.testing.assert_array_equal(out, want)

@@ -59,6 +59,21 @@ def test_checksum_covers_dtype_shape_and_bytes():
     assert field_checksum(np.zeros(0, np.float32)) == field_checksum(np.zeros(0, np.float32))
 
 
+def test_checksum_value_is_the_documented_crc_of_description_then_bytes():
+    """Checksums are kept by the controller, its journal and the units' manifests: the cached description and the
+    buffer read must give exactly crc32(bytes, crc32(f"{dtype.str}{shape}")) for any layout."""
+    import zlib
+
+    rng = np.random.default_rng(0)
+    for arr in (np.arange(10), np.array(2.5), np.zeros(0, np.float32), rng.random((5, 4))[:, ::2], rng.random((3, 4)).T,
+                np.arange(6, dtype=">i4"), np.array([True, False]), rng.random((2, 3)).astype(np.float16)):
+        a = np.ascontiguousarray(arr)
+        want = zlib.crc32(a.tobytes(), zlib.crc32(f"{a.dtype.str}{a.shape}".encode()))
+        assert field_checksum(arr) == field_checksum(arr) == want
+    with pytest.raises(TypeError):
+        field_checksum(np.array([1, "a"], dtype=object))
+
+
 def test_corrupted_fetch_is_named_never_delivered_and_a_retry_reads_the_good_bytes():
     batch = _batch()
     by_id = {t.traj_id: t for t in batch.trajectories}
