@@ -99,7 +99,8 @@ class _Engine:
 
     def __init__(self, idx: int) -> None:
         self.idx = idx
-        self.heap: list[tuple[float, int]] = []  # (virtual finish time, trajectory id)
+        # (virtual finish time, trajectory id); changed in place only (Simulator.heaps holds the same list)
+        self.heap: list[tuple[float, int]] = []
         self.tau = 0.0  # tokens decoded per active sequence since start (virtual clock)
         self.last = 0.0
         self.paused = False
@@ -108,11 +109,12 @@ class _Engine:
         self.slot_seconds = 0.0
         self.slow = 1.0  # decode-step multiplier (interference from a trainer sharing the hardware)
 
-    def advance(self, now: float, cfg) -> None:
+    def advance(self, now: float, step_time: list[float]) -> None:
+        """Run the virtual clock up to ``now``; ``step_time[n]`` is the decode-step time with n active sequences."""
         dt = now - self.last
         if dt > 0 and self.heap and not self.paused:
             n = len(self.heap)
-            self.tau += dt / (cfg.step_time(n) * self.slow)
+            self.tau += dt / (step_time[n] * self.slow)
             self.busy += dt
             self.slot_seconds += dt * n
         self.last = now
@@ -143,14 +145,25 @@ class Simulator:
         self.N = tid
         self.rec = TrajRecords.empty(self.N)
         self.prompt_tokens = {g.group_id: g.prompt_tokens for wb in self.batches for g in wb.plan.groups}
-        self.traj_group = np.empty(self.N, dtype=np.int64)  # index into self.groups
-        for gi, (bi, gid, lens, ids) in enumerate(self.groups):
-            self.traj_group[ids.start:ids.stop] = gi
-            self.rec.batch[ids.start:ids.stop] = self.batches[bi].plan.batch_id
-            self.rec.group[ids.start:ids.stop] = gid
-            self.rec.length[ids.start:ids.stop] = lens
+        # per group: (group id, batch id, prompt tokens), as the policy's Trajectory needs them
+        self.group_meta = [(gid, self.batches[bi].plan.batch_id, self.prompt_tokens[gid])
+                           for bi, gid, _, _ in self.groups]
+        sizes = [len(ids) for _, _, _, ids in self.groups]
+        self.rec.batch[:] = np.repeat(np.array([m[1] for m in self.group_meta], dtype=np.int64), sizes)
+        self.rec.group[:] = np.repeat(np.array([m[0] for m in self.group_meta], dtype=np.int64), sizes)
+        if self.groups:
+            self.rec.length[:] = np.concatenate([lens for _, _, lens, _ in self.groups])
+        # Plain Python lists for the hot loops (numpy scalar reads and writes cost far more than list ones):
+        self.traj_group: list[int] = np.repeat(np.arange(len(self.groups)), sizes).tolist()  # index into groups
+        self.traj_length: list[int] = self.rec.length.tolist()  # response length
+        self.traj_length_f: list[float] = self.rec.length.astype(np.float64).tolist()  # the same, as floats
         self.engines = [_Engine(i) for i in range(cfg.engine.num_engines)]
+        self.heaps = [e.heap for e in self.engines]  # engine i's active sequences, for counting them fast
         self.traj_engine = np.full(self.N, -1, dtype=np.int64)
+        # cfg.engine.step_time(n) for every possible active count (an engine never holds more than its slots)
+        self.step_time = [cfg.engine.step_time(n) for n in range(cfg.engine.slots + 1)]
+        self._colocated = cfg.mode is ExecutionMode.COLOCATED
+        self._record_timeline = cfg.record_timeline
 
     # -- event plumbing -----------------------------------------------------------------------------------------
 
@@ -159,13 +172,17 @@ class Simulator:
 
     def _schedule_engine(self, e: _Engine) -> None:
         e.epoch += 1
-        if e.paused or not e.heap:
+        heap = e.heap
+        if e.paused or not heap:
             return
-        t = self.now + max(0.0, e.heap[0][0] - e.tau) * self.cfg.engine.step_time(len(e.heap)) * e.slow
-        self._push(t, _ENGINE, e.idx, e.epoch)
+        left = heap[0][0] - e.tau
+        if not left > 0.0:  # max(0.0, left), inlined
+            left = 0.0
+        t = self.now + left * self.step_time[len(heap)] * e.slow
+        heapq.heappush(self.events, (t, next(self.seq), _ENGINE, e.idx, e.epoch))
 
     def _note_timeline(self, e: _Engine) -> None:
-        if self.cfg.record_timeline:
+        if self._record_timeline:
             self.timeline.append((self.now, e.idx, len(e.heap)))
 
     # -- main loop ----------------------------------------------------------------------------------------------
@@ -191,17 +208,39 @@ class Simulator:
         self.timeline: list[tuple[float, int, int]] = []
         self.wasted = 0
         self.batches_trained = 0
+        # v_gen and t_complete live in lists during the run (read and written per trajectory); _flush_records
+        # copies them into self.rec
+        self.v_gen: list[int] = self.rec.v_gen.tolist()
+        self.t_complete: list[float] = self.rec.t_complete.tolist()
+        try:
+            self._loop()
+        finally:
+            self._flush_records()
+        if self.consumed < self.N:
+            raise SimDeadlock(
+                f"{self.policy.name}: {self.N - self.consumed} of {self.N} trajectories never consumed at "
+                f"t={self.now:.1f}s; groups dispatched {self.next_group}/{len(self.groups)}, in flight "
+                f"{self.inflight_groups}, flow={self.cfg.flow}. Train-batch admission needs a budget of at "
+                f"least one batch of groups.")
+        for e in self.engines:
+            e.advance(self.now, self.step_time)
+        return SimResult(self.rec, self.steps, self.syncs, self.now,
+                         np.array([e.busy for e in self.engines]), np.array([e.slot_seconds for e in self.engines]),
+                         self.wasted, self.policy.name, self.policy.stats, self.M, self.timeline)
 
+    def _loop(self) -> None:
         self._dispatch()
         self._trainer_poll()
+        events, engines, pop = self.events, self.engines, heapq.heappop
+        max_events, N = self.cfg.max_events, self.N
         handled = 0
-        while self.events and self.consumed < self.N:
-            t, _, kind, payload, epoch = heapq.heappop(self.events)
+        while events and self.consumed < N:
+            t, _, kind, payload, epoch = pop(events)
             handled += 1
-            if handled > self.cfg.max_events:
-                raise RuntimeError(f"simulation exceeded max_events={self.cfg.max_events}")
+            if handled > max_events:
+                raise RuntimeError(f"simulation exceeded max_events={max_events}")
             if kind == _ENGINE:
-                e = self.engines[payload]
+                e = engines[payload]
                 if epoch != e.epoch:
                     continue  # stale: the engine's active set changed after this was scheduled
                 self.now = t
@@ -212,22 +251,16 @@ class Simulator:
             else:
                 self.now = t
                 self._on_sync_done()
-        if self.consumed < self.N:
-            raise SimDeadlock(
-                f"{self.policy.name}: {self.N - self.consumed} of {self.N} trajectories never consumed at "
-                f"t={self.now:.1f}s; groups dispatched {self.next_group}/{len(self.groups)}, in flight "
-                f"{self.inflight_groups}, flow={self.cfg.flow}. Train-batch admission needs a budget of at "
-                f"least one batch of groups.")
-        for e in self.engines:
-            e.advance(self.now, self.cfg.engine)
-        return SimResult(self.rec, self.steps, self.syncs, self.now,
-                         np.array([e.busy for e in self.engines]), np.array([e.slot_seconds for e in self.engines]),
-                         self.wasted, self.policy.name, self.policy.stats, self.M, self.timeline)
+
+    def _flush_records(self) -> None:
+        """Copy the per-trajectory state kept in lists during the run into ``self.rec``."""
+        self.rec.v_gen[:] = self.v_gen
+        self.rec.t_complete[:] = self.t_complete
 
     # -- rollout ------------------------------------------------------------------------------------------------
 
     def _flow_allows(self, size: int, batch_idx: int) -> bool:
-        if self.cfg.mode is ExecutionMode.COLOCATED:
+        if self._colocated:
             return batch_idx == self.batches_trained and not self.trainer_busy and not self.syncing
         f = self.cfg.flow
         if f.kind is FlowKind.GROUPS:
@@ -240,27 +273,35 @@ class Simulator:
         if self.cfg.engine.wave_groups:
             self._dispatch_waves()
             return
-        eng_cfg = self.cfg.engine
-        while self.next_group < len(self.groups):
-            bi, gid, lens, ids = self.groups[self.next_group]
+        slots, groups, heaps, rec, push = self.cfg.engine.slots, self.groups, self.heaps, self.rec, heapq.heappush
+        while self.next_group < len(groups):
+            bi, gid, lens, ids = groups[self.next_group]
             n = len(ids)
-            if n > eng_cfg.slots:
-                raise ValueError(f"group {gid} has {n} samples but an engine has only {eng_cfg.slots} slots")
-            if not self._flow_allows(n, bi):
+            if n > slots:
+                raise ValueError(f"group {gid} has {n} samples but an engine has only {slots} slots")
+            # head-of-line: groups start in data-loader order, each on the engine with the most free slots (the
+            # lowest index among ties). All three checks are side-effect free: the cheap one, which usually blocks,
+            # goes first.
+            active = list(map(len, heaps))
+            least = min(active)
+            if slots - least < n:
                 return
-            e = max(self.engines, key=lambda x: (eng_cfg.slots - len(x.heap), -x.idx))
-            if e.paused or eng_cfg.slots - len(e.heap) < n:
-                return  # head-of-line: groups start in data-loader order
+            e = self.engines[active.index(least)]
+            if e.paused or not self._flow_allows(n, bi):
+                return
             while self.batches_added <= bi:
                 self.policy.add_batch(self.batches[self.batches_added].plan)
                 self.batches_added += 1
-            e.advance(self.now, eng_cfg)
-            for tid, length in zip(ids, lens):
-                heapq.heappush(e.heap, (e.tau + float(length), tid))
-                self.rec.t_dispatch[tid] = self.now
-                self.rec.t_start[tid] = self.now
-                self.rec.v_gen[tid] = self.engine_version
-                self.traj_engine[tid] = e.idx
+            now = self.now
+            e.advance(now, self.step_time)
+            tau, heap = e.tau, e.heap
+            a, b = ids.start, ids.stop  # a group's ids are contiguous
+            for tid, length in zip(ids, self.traj_length_f[a:b]):
+                push(heap, (tau + length, tid))
+            rec.t_dispatch[a:b] = now
+            rec.t_start[a:b] = now
+            self.v_gen[a:b] = [self.engine_version] * n
+            self.traj_engine[a:b] = e.idx
             self.next_group += 1
             self.inflight_groups += 1
             self.submitted += n
@@ -290,42 +331,51 @@ class Simulator:
                 self.submitted += len(ids)
             if not wave:
                 return
-            e.advance(self.now, eng_cfg)
+            e.advance(self.now, self.step_time)
             longest = max(int(lens.max()) for _, _, lens, _ in wave)
             for _, _, lens, ids in wave:
                 for tid in ids:
                     heapq.heappush(e.heap, (e.tau + float(longest), tid))
-                    self.rec.t_dispatch[tid] = self.now
-                    self.rec.t_start[tid] = self.now
-                    self.rec.v_gen[tid] = self.engine_version
-                    self.traj_engine[tid] = e.idx
+                a, b = ids.start, ids.stop
+                self.rec.t_dispatch[a:b] = self.now
+                self.rec.t_start[a:b] = self.now
+                self.v_gen[a:b] = [self.engine_version] * len(ids)
+                self.traj_engine[a:b] = e.idx
             self._note_timeline(e)
             self._schedule_engine(e)
 
     def _on_engine(self, e: _Engine) -> None:
-        e.advance(self.now, self.cfg.engine)
-        e.tau = max(e.tau, e.heap[0][0])  # the event fires exactly at the first finish (no float drift)
+        e.advance(self.now, self.step_time)
+        heap = e.heap
+        if heap[0][0] > e.tau:  # the event fires exactly at the first finish (no float drift)
+            e.tau = heap[0][0]
+        limit = e.tau + 1e-9
         done = []
-        while e.heap and e.heap[0][0] <= e.tau + 1e-9:
-            done.append(heapq.heappop(e.heap)[1])
-        for tid in done:
-            self._complete(tid)
-        self._note_timeline(e)
+        while heap and heap[0][0] <= limit:
+            done.append(heapq.heappop(heap)[1])
+        self._complete(done)
+        if self._record_timeline:
+            self._note_timeline(e)
         self._schedule_engine(e)
         self._dispatch()
-        self._trainer_poll()
+        if not (self.trainer_busy or self.syncing):  # _trainer_poll's own guard, saving a call per event
+            self._trainer_poll()
 
-    def _complete(self, tid: int) -> None:
-        r = self.rec
-        r.t_complete[tid] = self.now
-        gi = int(self.traj_group[tid])
-        bi, gid, lens, ids = self.groups[gi]
-        self.group_left[gi] -= 1
-        if self.group_left[gi] == 0:
-            r.t_group_complete[ids.start:ids.stop] = self.now
-        self.policy.on_complete(Trajectory(
-            traj_id=tid, group_id=gid, batch_id=self.batches[bi].plan.batch_id, num_tokens=int(r.length[tid]),
-            v_gen=int(r.v_gen[tid]), prompt_tokens=self.prompt_tokens[gid], t_complete=self.now))
+    def _complete(self, tids: list[int]) -> None:
+        """Record the completion of ``tids`` (in this order) and hand each to the policy."""
+        now, t_complete, v_gen, length = self.now, self.t_complete, self.v_gen, self.traj_length
+        traj_group, group_left, groups, meta = self.traj_group, self.group_left, self.groups, self.group_meta
+        on_complete = self.policy.on_complete
+        for tid in tids:
+            t_complete[tid] = now
+            gi = traj_group[tid]
+            group_left[gi] -= 1
+            if group_left[gi] == 0:
+                ids = groups[gi][3]
+                self.rec.t_group_complete[ids.start:ids.stop] = now
+            gid, batch_id, prompt_tokens = meta[gi]
+            on_complete(Trajectory(traj_id=tid, group_id=gid, batch_id=batch_id, num_tokens=length[tid],
+                                   v_gen=v_gen[tid], prompt_tokens=prompt_tokens, t_complete=now))
 
     # -- trainer ------------------------------------------------------------------------------------------------
 
@@ -360,17 +410,18 @@ class Simulator:
     def _release(self, mb: MiniBatch) -> None:
         """Free the budget of every group whose last trajectory ``mb`` consumes (``FlowConfig.release`` says when
         this runs: at the start or at the end of the consuming step)."""
+        traj_group, unconsumed = self.traj_group, self.group_unconsumed
         for tid in mb.traj_ids:
-            gi = int(self.traj_group[tid])
-            self.group_unconsumed[gi] -= 1
-            if self.group_unconsumed[gi] == 0:
+            gi = traj_group[tid]
+            unconsumed[gi] -= 1
+            if unconsumed[gi] == 0:
                 self.inflight_groups -= 1
 
     def _set_engine_slowdown(self, slow: float) -> None:
         if not self.cfg.engine.interference:
             return
         for e in self.engines:
-            e.advance(self.now, self.cfg.engine)  # progress so far at the old rate
+            e.advance(self.now, self.step_time)  # progress so far at the old rate
             e.slow = slow
             self._schedule_engine(e)
 
@@ -404,7 +455,7 @@ class Simulator:
     def _start_sync(self, cost: float) -> None:
         self.syncing = True
         for e in self.engines:
-            e.advance(self.now, self.cfg.engine)
+            e.advance(self.now, self.step_time)
             e.paused = True
             e.epoch += 1  # drop scheduled completions while paused
         self.syncs.append((self.now, self.now + cost))
@@ -420,13 +471,13 @@ class Simulator:
             if abort and e.heap:
                 restarted = []
                 for fin, tid in e.heap:
-                    length = float(self.rec.length[tid])
+                    length = float(self.traj_length[tid])
                     self.wasted += int(round(length - (fin - e.tau)))
                     restarted.append((e.tau + length, tid))
-                    self.rec.v_gen[tid] = self.engine_version
-                    self.rec.t_start[tid] = self.now
+                    self.v_gen[tid] = self.engine_version
+                self.rec.t_start[[tid for _, tid in restarted]] = self.now
                 heapq.heapify(restarted)
-                e.heap = restarted
+                e.heap[:] = restarted
             self._schedule_engine(e)
         self._dispatch()
         self._trainer_poll()
