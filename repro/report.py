@@ -45,15 +45,34 @@ def counts(verdicts: dict[str, list[Verdict]]) -> tuple[int, int, int]:
             sum(v.status in (Status.HOLDS, Status.FAILS) for v in targets))
 
 
-def results_table(verdicts: dict[str, list[Verdict]]) -> str:
-    """The README's table: every target claim, then the measurements, with the spread and the number of trials."""
+TIMES = "repro-times.tsv"  # what ``make repro`` writes: one "table<TAB>seconds" line per table, then "total"
+
+
+def repro_times(results_dir: str | Path) -> str | None:
+    """One line on how long the run's tables took, from ``make repro``'s ``repro-times.tsv`` (None without one)."""
+    path = Path(results_dir) / TIMES
+    if not path.exists():
+        return None
+    rows = [line.split("\t") for line in path.read_text().splitlines()[1:] if line.count("\t") == 1]
+    per = {name: int(sec) for name, sec in rows if sec.strip().isdigit()}
+    total = per.pop("total", None)
+    if total is None:
+        return f"`make repro` did not finish in this run ({len(per)} tables timed)."
+    tables = ", ".join(f"{name.replace(':workload=', ' ')} {sec}" for name, sec in per.items())
+    return f"`make repro` took {total:,} s = {total / 60:.1f} min for its {len(per)} tables (s: {tables})."
+
+
+def results_table(verdicts: dict[str, list[Verdict]], times: str | None = None) -> str:
+    """The README's table: every target claim, then the measurements, with the spread and the number of trials;
+    ``times``: the run's table times (``repro_times``), printed above the table."""
     head = ["| table | claim | paper | bound | ours (median [range]) | n | verdict | how |",
             "|---|---|---|---|---|---|---|---|"]
     targets = [_row(v) for vs in verdicts.values() for v in vs if v.claim.kind is ClaimKind.TARGET]
     info = [_row(v) for vs in verdicts.values() for v in vs if v.claim.kind is ClaimKind.MEASUREMENT]
     total, hold, measured = counts(verdicts)
     lines = [f"{hold} of {total} target claims hold ({measured} measured); measurements carry no verdict.", "",
-             *head, *targets, "", "Measurements (context, no verdict):", "", *head, *info]
+             *([times, ""] if times else []), *head, *targets, "", "Measurements (context, no verdict):", "", *head,
+             *info]
     return "\n".join(lines) + "\n"
 
 
@@ -64,7 +83,7 @@ def render(results_dir: Path) -> str:
              f"{hold} of {total} target claims hold ({measured} measured, {total - measured} not measured). "
              "Verdicts are computed by `repro.spec` from each table's `trials.jsonl`; measurements are context and "
              "carry no verdict.", ""]
-    lines.append(results_table(verdicts))
+    lines.append(results_table(verdicts, repro_times(results_dir)))
     for table, vs in verdicts.items():
         folder = results_dir / table
         lines += ["", f"## {table}", ""]
@@ -94,8 +113,13 @@ def write_report(results_dir: str | Path = "results") -> Path:
 
 
 def snapshot(results_dir: str | Path, dest: str | Path) -> list[Path]:
-    """Copy every table's trials.jsonl (the logs, nothing derived) to ``dest/<table>/``."""
+    """Copy every table's trials.jsonl (the logs, nothing derived) to ``dest/<table>/``, and ``make repro``'s table
+    times (``repro-times.tsv``) when the run wrote them."""
     out = []
+    times = Path(results_dir) / TIMES
+    if times.exists():
+        Path(dest).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(times, Path(dest) / TIMES)
     for p in sorted(Path(results_dir).glob("*/trials.jsonl")):
         target = Path(dest) / p.parent.name / p.name
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -112,7 +136,8 @@ def update_readme(readme: str | Path, results_dir: str | Path) -> bool:
         raise ValueError(f"{readme} has no generated results block ({README_BEGIN!r} ... {README_END!r})")
     head, rest = text.split(README_BEGIN, 1)
     _, tail = rest.split(README_END, 1)
-    new = head + README_BEGIN + "\n" + results_table(evaluate_dir(results_dir)) + README_END + tail
+    new = (head + README_BEGIN + "\n" + results_table(evaluate_dir(results_dir), repro_times(results_dir)) + README_END
+           + tail)
     if new != text:
         readme.write_text(new)
     return new != text

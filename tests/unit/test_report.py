@@ -78,5 +78,28 @@ def test_the_readme_results_table_is_the_spec_over_the_committed_trial_logs():
     text = (ROOT / "README.md").read_text()
     assert README_BEGIN in text and README_END in text, "README.md lost its generated results block"
     block = text.split(README_BEGIN, 1)[1].split(README_END, 1)[0]
-    assert block == "\n" + results_table(evaluate_dir(ROOT / "docs" / "results")), (
+    from repro.report import repro_times
+
+    snap = ROOT / "docs" / "results"
+    assert block == "\n" + results_table(evaluate_dir(snap), repro_times(snap)), (
         "README results are stale: run `python -m repro.report --readme README.md --results docs/results`")
+
+
+def test_the_run_time_comes_from_make_repros_log_and_travels_with_the_snapshot(tmp_path, demo_spec):
+    """The README's `make repro` time is generated from the run's repro-times.tsv (copied by --snapshot), never
+    typed; a run that did not finish says so."""
+    from repro.report import repro_times, snapshot
+
+    run = tmp_path / "results"
+    write_trials(run / "report-demo", "report-demo", [ReportTrial(0, 12.0)])
+    assert repro_times(run) is None
+    (run / "repro-times.tsv").write_text("table\tseconds\nstaleness\t137\ntransfer:workload=text\t172\n")
+    assert "did not finish" in repro_times(run)
+    (run / "repro-times.tsv").write_text("table\tseconds\nstaleness\t137\ntransfer:workload=text\t172\ntotal\t309\n")
+    line = repro_times(run)
+    assert line.startswith("`make repro` took 309 s = 5.2 min for its 2 tables") and "transfer text 172" in line
+    snapshot(run, tmp_path / "docs")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{README_BEGIN}\n{README_END}\n")
+    update_readme(readme, tmp_path / "docs")
+    assert line in readme.read_text()
