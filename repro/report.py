@@ -116,10 +116,12 @@ def snapshot(results_dir: str | Path, dest: str | Path) -> list[Path]:
     """Copy every table's trials.jsonl (the logs, nothing derived) to ``dest/<table>/``, and ``make repro``'s table
     times (``repro-times.tsv``) when the run wrote them."""
     out = []
-    times = Path(results_dir) / TIMES
+    times, kept = Path(results_dir) / TIMES, Path(dest) / TIMES
     if times.exists():
-        Path(dest).mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(times, Path(dest) / TIMES)
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(times, kept)
+    else:
+        kept.unlink(missing_ok=True)  # an older run's times must not be shown beside this run's logs
     for p in sorted(Path(results_dir).glob("*/trials.jsonl")):
         target = Path(dest) / p.parent.name / p.name
         target.parent.mkdir(parents=True, exist_ok=True)
