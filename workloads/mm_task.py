@@ -115,7 +115,8 @@ class MMCountingTask:
         """1.0 iff the response emitted EOS and its text before EOS is exactly the count."""
         if self.vocab.eos_id not in response_ids:
             return 0.0
-        return check_reward(reward(self.vocab, response_ids, prompt.problem.answer), f"prompt {prompt.problem}")
+        return check_reward(reward(self.vocab, response_ids, prompt.problem.answer),
+                            lambda: f"prompt {prompt.problem}")
 
     def answer_ids(self, prompt: MMPrompt) -> list[int]:
         """The exact answer's tokens with EOS (the warm start's targets)."""

@@ -21,7 +21,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -34,10 +34,13 @@ class RewardError(ValueError):
     """A reward that is not a finite number (NaN, inf): GRPO advantages would be undefined."""
 
 
-def check_reward(value: float, where: str) -> float:
-    """Return ``value`` as a float, or raise ``RewardError`` naming ``where`` if it is NaN or infinite."""
+def check_reward(value: float, where: str | Callable[[], str]) -> float:
+    """Return ``value`` as a float, or raise ``RewardError`` naming ``where`` if it is NaN or infinite. ``where``
+    may be a callable that builds the name: it runs only on the error (a reward is checked for every trajectory
+    and every evaluation, and formatting a prompt that holds image tensors cost ~1.7 ms a call)."""
     v = float(value)
     if not math.isfinite(v):
+        where = where() if callable(where) else where
         raise RewardError(f"non-finite reward {value!r} for {where}; rewards must be finite numbers "
                           f"(GRPO normalizes them within a group)")
     return v

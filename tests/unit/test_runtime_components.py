@@ -151,6 +151,23 @@ def test_non_finite_reward_is_a_clear_error(tok, model, bad):
         group_advantages(same, [0.0, bad] + [1.0] * (len(same) - 2))
 
 
+def test_a_rewards_name_is_built_only_when_the_reward_is_bad():
+    from knittrans.runtime.trainer import check_reward
+
+    calls = []
+
+    def where() -> str:
+        calls.append(1)
+        return "prompt 7 (two images)"
+
+    assert check_reward(1, where) == 1.0 and not calls  # the per-trajectory path never formats its name
+    with pytest.raises(RewardError, match=r"non-finite reward nan for prompt 7 \(two images\)"):
+        check_reward(math.nan, where)
+    assert calls == [1]
+    with pytest.raises(RewardError, match="for trajectory 3"):
+        check_reward(math.inf, "trajectory 3")
+
+
 def test_first_step_is_on_policy_and_increments_version(tok, model):
     tr = GRPOTrainer(build_policy(TinyPolicyConfig(), tok, seed=0), GRPOConfig(kl_coef=0.1), tok.pad_token_id)
     share = pack_rollouts([to_rollout(it) for it in _items(tok, model)])
