@@ -266,6 +266,22 @@ def little_rows(cfg: LittleConf, seeds: list[int], releases: list[BudgetRelease]
     return rows
 
 
+@dataclass(frozen=True)
+class LittleJob:
+    """The Little's-law checks of one seed (a pool task beside the sweep's points)."""
+
+    conf: LittleConf
+    seed: int
+    releases: tuple[BudgetRelease, ...]
+
+
+def run_point(job: Job | LittleJob):  # noqa: ANN201 - run_job's pair, or a LittleJob's rows
+    """One pool task of the table: a sweep point (``run_job``) or one seed's Little's-law checks."""
+    if isinstance(job, LittleJob):
+        return little_rows(job.conf, [job.seed], list(job.releases))
+    return run_job(job)
+
+
 # -- gate --------------------------------------------------------------------------------------------------------
 
 
@@ -301,10 +317,15 @@ def run(cfg: StalenessConf) -> dict:
                              sync=SyncPolicy.EVERY_BATCH if pol == COLOCATED else SyncPolicy.EVERY_STEP,
                              warmup_batches=d.warmup_batches, **shape)
             timelines.append(Job(spec, "dapo-timeline", d.tail, cfg.seeds[0], d.warmup_batches + 3, timeline=True))
-    out = run_points(run_job, jobs + timelines, parallel=cfg.parallel, workers=cfg.workers, desc="staleness")
+    # The Little's-law checks run in the same pool, one task per seed (serial after the sweep they held one core
+    # for ~9 s while the other idled); concatenated in seed order they are little_rows over every seed.
+    little = ([LittleJob(cfg.little, seed, tuple(BudgetRelease(r) for r in cfg.releases)) for seed in cfg.seeds]
+              if cfg.little.enabled else [])
+    out = run_points(run_point, [*jobs, *timelines, *little], parallel=cfg.parallel, workers=cfg.workers,
+                     desc="staleness")
     rows: list = [r for r, _ in out[:len(jobs)]]
-    if cfg.little.enabled:
-        rows += little_rows(cfg.little, cfg.seeds, [BudgetRelease(r) for r in cfg.releases])
+    for part in out[len(jobs) + len(timelines):]:
+        rows += part
     res.set_trials(rows)
     res.rows = [{k: v for k, v in r.as_dict().items() if k != "hist"} for r in rows
                 if isinstance(r, StalenessTrial) and r.seed == cfg.seeds[0] and r.scenario != "sweep"]

@@ -3,7 +3,9 @@
 import json
 
 from repro.spec import evaluate
-from repro.staleness import (DapoConf, LittleConf, StalenessConf, SweepConf, VariableGroupsConf, build_jobs, run)
+from knittrans.sim import BudgetRelease
+from repro.staleness import (DapoConf, LittleConf, StalenessConf, SweepConf, VariableGroupsConf, build_jobs,
+                             little_rows, run)
 from repro.trials import read_trials
 
 
@@ -45,6 +47,9 @@ def test_staleness_table_writes_the_results_contract(tmp_path, capsys):
     assert [v.as_dict() for v in evaluate("staleness", log.rows)] == on_disk["claims"]
     sim_rows = [x for x in log.rows if type(x).__name__ == "StalenessTrial"]
     assert len(sim_rows) == len(build_jobs(cfg))
+    # the Little's-law checks, one pool task per seed, log exactly what one serial pass over the seeds gives
+    little = [x for x in log.rows if type(x).__name__ == "LittleLawTrial"]
+    assert little and little == little_rows(cfg.little, cfg.seeds, [BudgetRelease(r) for r in cfg.releases])
     assert {x.release for x in sim_rows if x.scenario == "dapo"} == {"step_end", "step_start"}
     coloc = [x for x in sim_rows if x.policy == "colocated"]
     assert coloc and all(abs(x.arch_staleness) < 1e-9 for x in coloc)
