@@ -67,13 +67,11 @@ $(TQ_STAMP): $(STAMP)
 	@$(PY) -m pip install -q -e ".[dev,ray,transferqueue]" >>$(VENV)/pip.log 2>&1 && touch $(TQ_STAMP) || \
 	  echo "transferqueue could not be installed (see $(VENV)/pip.log): the transfer table runs without it"
 
-# Each table's wall-clock goes to results/repro-times.tsv (table, seconds), printed at the end.
+# Each table runs in its own process (repro.runner forks it from one that imported torch, transformers, Hydra and
+# matplotlib once); each table's wall-clock goes to results/repro-times.tsv (table, seconds; then the shared
+# imports and the total), printed at the end.
 repro: $(TQ_STAMP)
-	@mkdir -p results; printf 'table\tseconds\n' > results/repro-times.tsv; start=$$(date +%s); \
-	for t in $(TABLES); do mod=$${t%%:*}; args=""; case "$$t" in *:*) args=$$(echo "$${t#*:}" | tr ',' ' ');; esac; \
-	  echo "== repro.$$mod $$args"; t0=$$(date +%s); $(PY) -m repro.$$mod $$args || exit 1; \
-	  printf '%s\t%s\n' "$$t" $$(( $$(date +%s) - t0 )) >> results/repro-times.tsv; done; \
-	printf 'total\t%s\n' $$(( $$(date +%s) - start )) >> results/repro-times.tsv; cat results/repro-times.tsv
+	$(PY) -m repro.runner --times results/repro-times.tsv $(TABLES)
 	$(PY) -m repro.report
 
 # Benchmarks (pytest-benchmark). bench-save records a baseline for this machine type under tests/bench/baselines

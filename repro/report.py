@@ -56,10 +56,13 @@ def repro_times(results_dir: str | Path) -> str | None:
     rows = [line.split("\t") for line in path.read_text().splitlines()[1:] if line.count("\t") == 1]
     per = {name: int(sec) for name, sec in rows if sec.strip().isdigit()}
     total = per.pop("total", None)
+    startup = per.pop("startup", None)  # repro.runner: the imports its tables share, once
     if total is None:
         return f"`make repro` did not finish in this run ({len(per)} tables timed)."
     tables = ", ".join(f"{name.replace(':workload=', ' ')} {sec}" for name, sec in per.items())
-    return f"`make repro` took {total:,} s = {total / 60:.1f} min for its {len(per)} tables (s: {tables})."
+    shared = "" if startup is None else f"; shared imports {startup}"
+    return (f"`make repro` took {total:,} s = {total / 60:.1f} min for its {len(per)} tables "
+            f"(s: {tables}{shared}).")
 
 
 def results_table(verdicts: dict[str, list[Verdict]], times: str | None = None) -> str:
