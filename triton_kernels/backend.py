@@ -45,6 +45,16 @@ def _defined_interpreted() -> dict[str, bool]:
     return out
 
 
+def _language_interpreted() -> bool | None:
+    """Whether ``triton.language`` defined its own ``@triton.jit`` helpers (``cdiv`` and the rest, which every
+    kernel calls) for the interpreter; None if it is not imported yet. It takes the mode ``TRITON_INTERPRET`` has
+    when it is first imported, and transformers and torch's compiler import it: a CPU process that imported them
+    before choosing cannot interpret a kernel ("Cannot call @triton.jit'd outside of the scope of a kernel")."""
+    std = sys.modules.get("triton.language.standard")
+    fn = getattr(std, "cdiv", None) if std is not None else None
+    return None if fn is None else type(fn).__name__ == "InterpretedFunction"
+
+
 def configure_triton(gpu: bool) -> str:
     """Set ``TRITON_INTERPRET`` for this process before any kernel is defined: "0" (compile) when ``gpu``, "1"
     (interpret) otherwise. Returns one line saying what was decided (and what it overrode). Raises RuntimeError if
@@ -83,4 +93,9 @@ def triton_unavailable(device: torch.device | str) -> str:
                 "interpreter cannot run it on CPU in this process")
     if os.environ.get("TRITON_INTERPRET") != "1":
         return "no GPU and TRITON_INTERPRET is not 1 (call configure_triton(gpu=False) before the first kernel)"
+    if _language_interpreted() is False:
+        return ("triton.language was imported before TRITON_INTERPRET=1 was set (transformers and torch's compiler "
+                "import it), so its own jit helpers are compiled-mode and the interpreter cannot run a kernel in this "
+                "process: set TRITON_INTERPRET=1 in the environment, or call configure_triton(gpu=False) before "
+                "importing them")
     return ""

@@ -35,3 +35,22 @@ def test_the_kernels_this_test_session_imported_match_what_the_backend_reports()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert backend.triton_unavailable(device) == ""
     assert backend._defined_interpreted()["triton_kernels.encoding_hash.kernel"] == (device == "cpu")
+
+
+def test_triton_language_imported_before_the_interpreter_was_chosen_is_named_not_a_cryptic_failure():
+    """transformers imports triton.language; on CPU its jit helpers then stay compiled-mode whatever
+    TRITON_INTERPRET says later, and a kernel fails with "Cannot call @triton.jit'd outside of the scope of a
+    kernel". The backend says so instead (fresh interpreters: this session's triton is already interpreted)."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import triton.language, torch; from triton_kernels import backend; backend.configure_triton(gpu=False); "
+             "print(repr(backend.triton_unavailable('cpu')))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    late = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert late.returncode == 0, late.stderr
+    assert "triton.language was imported before TRITON_INTERPRET=1" in late.stdout
+    early = subprocess.run([sys.executable, "-c", probe], env={**env, "TRITON_INTERPRET": "1"}, capture_output=True,
+                           text=True, timeout=120)
+    assert early.returncode == 0 and early.stdout.strip() == "''", early.stderr
