@@ -147,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.times is not None:
         a.times.parent.mkdir(parents=True, exist_ok=True)
         a.times.write_text("table\tseconds\n")
-    print(f"repro.runner: {preload()}; shared imports loaded in {time.time() - start:.1f} s", flush=True)
+    how = preload()
     startup = time.time() - start
+    print(f"repro.runner: {how}; shared imports loaded in {startup:.1f} s", flush=True)
     for t in a.tables:
         t0 = time.time()
         rc = run_table(t)
