@@ -106,9 +106,10 @@ def finish_raw(traces: Sequence[RankTrace], t0: float, bytes_moved: int | None =
                       live_bytes_after=live_bytes_after)
 
 
-def _parts(parts: list[tuple[float, ...]]) -> tuple[tuple[float, float, float], ...]:
-    """Every get's (claim, read, pack), or () unless every get recorded them (so they align with ``get_s``)."""
-    return tuple(parts) if parts and all(len(p) == 3 for p in parts) else ()  # type: ignore[return-value]
+def _parts(parts: list[tuple[float, ...]]) -> tuple[tuple[float, ...], ...]:
+    """Every get's (claim, read, pack, pack CPU), or () unless every get recorded them (so they align with
+    ``get_s``)."""
+    return tuple(parts) if parts and all(len(p) == 4 for p in parts) else ()
 
 
 def finish_steady(traces: Sequence[RankTrace], t0: Mapping[int, float], warmup: int,

@@ -171,8 +171,9 @@ class Obtained:
     tokens: int
     get_s: float
     pixel_nbytes: int = 0
-    parts: tuple[float, float, float] = ()
-    """Where ``get_s`` went, (claim, read, pack) seconds (``client.FetchTiming``); () where not recorded."""
+    parts: tuple[float, ...] = ()
+    """Where ``get_s`` went, (claim, read, pack, pack CPU) seconds (``client.FetchTiming``); () where not
+    recorded."""
 
 
 class StepSource(Protocol):
@@ -204,9 +205,9 @@ class PassResult:
     get_s: tuple[float, ...] = ()
     get_nbytes: tuple[int, ...] = ()
     """Raw pass: the payload bytes of each get in ``get_s`` (same order); () where not recorded."""
-    get_parts: tuple[tuple[float, float, float], ...] = ()
-    """Raw pass: each get's (claim, read, pack) seconds, same order as ``get_s``, where the system records them
-    (KnitTrans: ``client.FetchTiming``); () otherwise. The profile behind a missed bandwidth goal."""
+    get_parts: tuple[tuple[float, ...], ...] = ()
+    """Raw pass: each get's (claim, read, pack, pack CPU) seconds, same order as ``get_s``, where the system records
+    them (KnitTrans: ``client.FetchTiming``); () otherwise. The profile behind a missed bandwidth goal."""
     bytes_moved: int = 0
     pixel_nbytes: int = 0
     """Multimodal: pixel_values bytes delivered to the ranks per batch (KnitTrans: each distinct image once per

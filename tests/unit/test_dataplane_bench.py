@@ -80,6 +80,7 @@ def test_tiny_transfer_table_runs_in_process_and_logs_one_row_per_pass_and_syste
     for r in res.trials:  # the gets' profile: claim + read + pack is the time get_gbps divides by
         parts = r.claim_s + r.read_s + r.pack_s
         assert min(r.claim_s, r.read_s, r.pack_s) >= 0 and parts == pytest.approx(r.bytes_moved / r.get_gbps / 1e9)
+        assert 0 <= r.pack_cpu_s <= r.pack_s + 0.01  # the packing threads' CPU time within the pack's wall time
     (row,) = res.rows
     assert row["system"] == "knittrans-inproc" and row["passes"] == 2
     assert (tmp_path / "exposed_latency.png").exists()

@@ -168,11 +168,14 @@ def test_a_missed_bandwidth_goal_carries_the_gets_profile_from_the_same_passes()
 
     c = claim("ray_fraction_of_memcpy")
     parts = [(0.02, 0.05, 0.03), (0.01, 0.06, 0.03), (0.03, 0.05, 0.02)]  # claim, read, pack seconds per pass
-    rows = [dataclasses.replace(text_row(p, "knittrans-ray", 0.01), get_gbps=0.1, claim_s=cl, read_s=rd, pack_s=pk)
-            for p, (cl, rd, pk) in enumerate(parts)]
+    rows = [dataclasses.replace(text_row(p, "knittrans-ray", 0.01), get_gbps=0.1, claim_s=cl, read_s=rd, pack_s=pk,
+                                pack_cpu_s=pk * cpu)
+            for p, ((cl, rd, pk), cpu) in enumerate(zip(parts, (0.5, 0.25, 0.75)))]
     v = c.evaluate(rows)
     assert v.status is Status.FAILS  # 0.1 / 5 GB/s
     assert "claim 20%, unit reads 50%, pack 30% of their time" in v.measured.note  # medians per part over passes
+    # the pack alone: 0.1 GB/s x (all parts / pack) / 5 GB/s = 0.067, 0.067, 0.1 -> median 0.067; on a CPU 50%
+    assert "the pack alone moves 0.067 of memcpy, on a CPU 50% of its time" in v.measured.note
     v = c.evaluate([dataclasses.replace(r, claim_s=None) for r in rows])  # rows without the profile
     assert "profile" not in v.measured.note and v.status is Status.FAILS
     tq = claim("tq_get_latency_ratio").evaluate([*rows, text_row(0, "transferqueue", None, get=0.04)])
@@ -185,6 +188,11 @@ def test_tq_ratio_is_not_measured_without_transferqueue_rows_and_is_never_a_verd
     assert not v.measured.measured and "not installed" in v.measured.note and v.status is Status.INFO
     v = c.evaluate([text_row(0, "transferqueue", None, get=0.04), text_row(0, "knittrans-ray", 0.01, get=0.01)])
     assert v.measured.value == pytest.approx(4.0) and v.status is Status.INFO
+    rows = [text_row(0, "transferqueue", None, get=0.04), text_row(0, "knittrans-ray", 0.01, get=0.01),
+            text_row(0, "knittrans-ray-noprefetch", 0.05, get=0.005)]
+    seq = claim("tq_get_latency_ratio_sequential").evaluate(rows)  # the same gets, one at a time per rank
+    assert seq.measured.value == pytest.approx(8.0) and seq.status is Status.INFO
+    assert claim("tq_get_latency_ratio").evaluate(rows).measured.value == pytest.approx(4.0)
 
 
 def test_mm_bytes_claim_is_exact_and_the_worst_pass_decides():
