@@ -28,7 +28,8 @@ from typing import Sequence
 from knittrans.bench.loop import Notify, completion_times, finish_raw, finish_steady, rank_loop
 from knittrans.bench.types import COMPLETION_FIELDS, BenchLayout, Obtained, PassData, PassResult
 from knittrans.dataplane.harness import RankTrace, Signals
-from knittrans.dataplane.trace import FlowEvent
+from knittrans.dataplane import trace
+from knittrans.dataplane.trace import CpuEvent, FlowEvent
 from knittrans.dataplane.types import PackedShare, TrajectoryPayload
 from knittrans.handoff import Consumer, Handoff, HandoffConfig, Rollout, Transport
 
@@ -44,6 +45,7 @@ class ConsumerSource:
     consumer: Consumer
     prefetch: bool = True
     _held: dict[int, PackedShare] = field(default_factory=dict)
+    _turn: tuple[float, str] | None = None  # when the rank took its last share, and that share's trace key
 
     def open(self, rank: int) -> None:
         if rank != self.consumer.rank:
@@ -52,6 +54,8 @@ class ConsumerSource:
 
     def obtain(self, step: int) -> Obtained:
         c = self.consumer
+        if self._turn is not None:  # a traced pass: the rank's turn between two shares (its step, the ack)
+            trace.record(CpuEvent("turn", "", self._turn[0], time.perf_counter(), self._turn[1]))
         if self._it is not None:
             share = next(self._it, None)
             if share is None:
@@ -64,6 +68,8 @@ class ConsumerSource:
             share = c.client.fetch_next(seq, c.rank, c.fields, timeout=ADMIT_TIMEOUT_S, ack=False)
             get_s, timing = time.perf_counter() - t, c.client.thread_timing()
         self._held[step] = share
+        if trace.active() is not None:
+            self._turn = (time.perf_counter(), f"r{share.rank}/s{share.seq}")
         parts = (timing.claim_s, timing.read_s, timing.pack_s, timing.pack_cpu_s) if timing is not None else ()
         return Obtained(share.nbytes, share.num_tokens, get_s, int(getattr(share, "pixel_nbytes", 0)), parts)
 

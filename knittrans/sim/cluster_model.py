@@ -283,7 +283,10 @@ def knittrans_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
     that started before any of the rank's packs ended starts at t0. So one fetch after another (a prefetcher with
     one worker) chains every share, and the prefetcher's ``depth`` concurrent fetches (since 3f775ac) overlap
     their claims and reads as they did. A rank's unpickling and packing run in its one process, so they take turns
-    there (in the order they ran). Ranks run in parallel."""
+    there (in the order they ran). The rank takes its shares in order: share k is held once it is packed and once
+    the rank's turn after share k-1 ended ("turn": from taking share k-1 to asking for share k, its step and its
+    ack: a round trip to the controller and the units' drops); the pass ends when every rank holds its last share.
+    A trace without turns (recorded before they were) holds each share when it is packed. Ranks run in parallel."""
     cpu: dict[tuple[str, str], CpuEvent] = {(e.label, e.key): e for e in events if isinstance(e, CpuEvent)}
     reads: dict[str, list[FlowEvent]] = {}
     for e in events:
@@ -317,6 +320,13 @@ def knittrans_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
                       # from the unpickle's end: the wait for the rank's interpreter before packing is its cost too
                       Task(f"pack:{key}", (f"deser:{key}",),
                            max(0.0, cpu[("pack", key)].t_end - cpu[("deser", key)].t_end))]
+        order = sorted(keys, key=lambda k: int(k.rsplit("/s", 1)[1]))  # the order the rank takes its shares
+        for i, key in enumerate(order):
+            prev = order[i - 1] if i else None
+            turn = (f"turn:{prev}",) if prev is not None and ("turn", prev) in cpu else ()
+            tasks.append(Task(f"held:{key}", (f"pack:{key}",) + turn))
+            if i + 1 < len(order) and ("turn", key) in cpu:
+                tasks.append(Task(f"turn:{key}", (f"held:{key}",), _dur(cpu[("turn", key)])))
     return tasks
 
 

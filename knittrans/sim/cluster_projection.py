@@ -209,7 +209,12 @@ def project(s: PaperSetting, costs: PhaseCosts, link: LinkModel, balance: StepBa
     # ends and no hand-over exists to measure: 0, and the shares are modelled back to back, which is what the link
     # allows when it is the bottleneck (concurrent reads of one rank share its ingress).
     gap = costs.fixed_s.get("knittrans/gap", 0.0)
-    knit_raw = M * read + (M - 1) * gap
+    # The rank takes share k once it is packed and once its turn after share k-1 (its ack) ended (0 in a trace
+    # recorded without turns).
+    turn = costs.fixed_s.get("knittrans/turn", 0.0)
+    knit_raw = read
+    for k in range(2, M + 1):
+        knit_raw = max(k * read + (k - 1) * gap, knit_raw + turn)
     # training per mini-batch on one rank: LM over its tokens, vision over its (occurrence / distinct) patches
     lm = s.gpu.lm_s_per_token
     vis = lm * balance.ratio

@@ -166,6 +166,39 @@ def test_knittrans_graph_chains_each_ranks_shares_and_shares_unit_links_between_
     assert p.rel_err == pytest.approx(0.0, abs=1e-9) and p.flow_bytes == 8 * 50 * 10**6
 
 
+def test_a_ranks_turn_between_shares_is_on_its_path_and_the_projection_counts_it():
+    """The rank takes share k+1 only after its turn on share k (step, ack): a turn longer than the slack before the
+    next share is packed lengthens the pass by the difference; the last share's turn is not part of the pass; a
+    trace without turns predicts as before, and the projection's raw pass counts the measured turn."""
+    link = LinkModel(1e9)
+    base = makespan(knittrans_graph(knittrans_trace(), 100.0), link)
+    first = 0.01 + 0.02 + 0.1 + 0.01 + 0.04  # share 0 of each rank is held here; share 1 is packed at `base`
+    slack = base - first
+    turns = [CpuEvent("turn", f"rk{r}", 0.0, d, f"r{r}/s{s}") for r in range(2) for s, d in ((0, slack + 0.3),
+                                                                                             (1, 5.0))]
+    assert makespan(knittrans_graph(knittrans_trace() + turns, 100.0), link) == pytest.approx(base + 0.3, rel=1e-6)
+    short = [CpuEvent("turn", f"rk{r}", 0.0, slack / 2, f"r{r}/s0") for r in range(2)]
+    assert makespan(knittrans_graph(knittrans_trace() + short, 100.0), link) == pytest.approx(base, rel=1e-6)
+
+    from types import SimpleNamespace
+
+    from knittrans.sim.cluster_projection import PaperSetting, PhaseCosts, StepBalance, project
+    bal = StepBalance(1e-6, 1e-6)
+
+    def costs(events: list) -> PhaseCosts:
+        return PhaseCosts.from_trace([SimpleNamespace(graph="central", events=central_trace(), pixel_bytes=0),
+                                      SimpleNamespace(graph="knittrans", events=events, pixel_bytes=0)], 1e10)
+
+    def raw(events: list) -> float:
+        return project(PaperSetting(12.5e9, 8, 8), costs(events), link, bal).knittrans_raw_s
+
+    without = raw(knittrans_trace())
+    read = (without - 15 * costs(knittrans_trace()).fixed_s["knittrans/gap"]) / 16  # M = 16 shares, gaps between
+    long = [CpuEvent("turn", f"rk{r}", 0.0, 10.0, f"r{r}/s0") for r in range(2)]  # far past a share's read
+    assert raw(knittrans_trace() + long) == pytest.approx(read + 15 * 10.0, rel=1e-6)
+    assert raw(knittrans_trace() + short) == pytest.approx(without, rel=1e-6)  # shorter than read + gap
+
+
 def concurrent_trace(t0: float = 100.0) -> list:
     """One rank whose prefetcher runs two fetches at once: both claims start before either share is packed."""
     ev = []
