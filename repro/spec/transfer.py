@@ -280,8 +280,9 @@ CLAIMS: tuple[Claim, ...] = (
           "(one unit read per trajectory) costs in process < 2x (a read is a dict lookup there): no bound separates "
           "them", memcpy_fraction("knittrans-inproc", "get_gbps"), bound=Bound(">=", 0.5)),
     Claim("ray_fraction_of_memcpy", T, ClaimKind.TARGET, "(issue 15) >= 25% of memcpy", "x memcpy",
-          MEMCPY_FRACTION.format(system="knittrans-ray (rank actors: the unit packs into a reused buffer, Ray copies "
-                                        "it into the object store, the rank maps it and packs once into its own)")
+          MEMCPY_FRACTION.format(system="knittrans-ray (rank actors on the units' node: a unit keeps each large put "
+                                        "as an object-store object of its own and answers a read with where the rows "
+                                        "lie, the rank maps the objects and packs once into its own buffer)")
           + ". Gate bound 0.003 at CI size (512 trajectories, one raw pass per pass): 0.006-0.024 on a loaded 2-core "
           "machine; reading one trajectory per unit call (one actor round trip each) gives 0.0007",
           memcpy_fraction("knittrans-ray", "get_gbps"), bound=Bound(">=", 0.25), gate=Bound(">=", 0.003)),
