@@ -64,7 +64,8 @@ class ConsumerSource:
             share = c.client.fetch_next(seq, c.rank, c.fields, timeout=ADMIT_TIMEOUT_S, ack=False)
             get_s, timing = time.perf_counter() - t, c.client.thread_timing()
         self._held[step] = share
-        parts = (timing.claim_s, timing.read_s, timing.pack_s, timing.pack_cpu_s) if timing is not None else ()
+        parts = (timing.claim_s, timing.read_s, timing.pack_s, timing.pack_cpu_s,
+                 timing.map_fallbacks) if timing is not None else ()
         return Obtained(share.nbytes, share.num_tokens, get_s, int(getattr(share, "pixel_nbytes", 0)), parts)
 
     def release(self, step: int) -> None:

@@ -28,6 +28,7 @@ other node string is a logical label (one machine, several "nodes"), which is ho
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 import uuid
@@ -55,6 +56,8 @@ if TYPE_CHECKING:
     from knittrans.admission.base import AdmissionPolicy
     from knittrans.dataplane.faults import FaultPlan
 
+
+log = logging.getLogger(__name__)
 
 STORE_MIN_BYTES = 100 * 1024
 """A put whose arrays reach this many bytes travels as one object-store object the unit owns and keeps
@@ -685,6 +688,7 @@ class ParallelRayGetter:
     def __call__(self, requests: Sequence[tuple[str, tuple[int, ...]]], fields: Sequence[str],
                  unit_args: Mapping[str, tuple] | None = None) -> list[UnitChunk]:
         extra = unit_args or {}
+        _TLS.fallbacks = 0
         t_sub = time.perf_counter()
         if unit_args is None:  # plain units: a unit on this node answers with where the rows live (no bytes)
             node = _reader_node()
@@ -706,19 +710,23 @@ class ParallelRayGetter:
                 rec.add(trace.FlowEvent("read", u, dst, trace.payload_nbytes(c), t0, t1, key))
         return chunks
 
-    @staticmethod
-    def _resolve(chunks: list, deadline: float | None) -> list[UnitChunk]:
+    def _resolve(self, chunks: list, deadline: float | None) -> list[UnitChunk]:
         """Map the units' objects that ``StoredChunk`` answers name (one ``ray.get`` for all: zero-copy on this
         node) and read them as rows. A unit that died meanwhile raises ``UnitLostError``; past the deadline,
-        ``ReadTimeoutError``."""
+        ``ReadTimeoutError``. A map that has not completed after ``MAP_TIMEOUT_S`` reads those rows again as the
+        units' packed bytes (``get``): the unit's stored rows do not depend on the objects' refs, so a map that
+        hangs costs that wait, never the read (counted: ``map_fallbacks``)."""
         stored = [c for c in chunks if isinstance(c, StoredChunk)]
         refs = [r for c in stored for r in c.refs]
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        wait = MAP_TIMEOUT_S if timeout is None else min(timeout, MAP_TIMEOUT_S)
         try:
-            objects = ray.get(refs, timeout=timeout)
+            objects = ray.get(refs, timeout=wait)
         except ray.exceptions.GetTimeoutError:
-            raise ReadTimeoutError(f"units {sorted({c.unit_id for c in stored})} did not answer a read within "
-                                   f"{timeout} s (the claim is undone; retry, or report the unit lost)") from None
+            if timeout is not None and wait >= timeout:
+                raise ReadTimeoutError(f"units {sorted({c.unit_id for c in stored})} did not answer a read within "
+                                       f"{timeout} s (the claim is undone; retry, or report the unit lost)") from None
+            return self._packed_instead(chunks, refs, deadline)
         except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError, ray.exceptions.RayActorError):
             lost = []
             for c in stored:  # which unit's objects are gone (the owner of a lost object is its unit)
@@ -737,6 +745,25 @@ class ParallelRayGetter:
             else:
                 out.append(c)
         return out
+
+    def _packed_instead(self, chunks: list, refs: list, deadline: float | None) -> list[UnitChunk]:
+        """The rows of every ``StoredChunk`` in ``chunks`` read again as their units' packed bytes (``get``)."""
+        with _FALLBACK_LOCK:
+            _FALLBACKS[0] += 1
+        _TLS.fallbacks = getattr(_TLS, "fallbacks", 0) + 1
+        log.warning("mapping %d object(s) of units %s did not complete within %.1f s; reading those rows as packed "
+                    "bytes instead (objects %s)", len(refs), sorted({c.unit_id for c in chunks
+                                                                    if isinstance(c, StoredChunk)}),
+                    MAP_TIMEOUT_S, [r.hex() for r in refs])
+        again = {i: self.units[c.unit_id].actor.get.remote(c.traj_ids, c.fields) for i, c in enumerate(chunks)
+                 if isinstance(c, StoredChunk)}
+        return [_call(again[i], c.unit_id, None if deadline is None else max(0.0, deadline - time.monotonic()))
+                if i in again else c for i, c in enumerate(chunks)]
+
+    @staticmethod
+    def thread_fallbacks() -> int:
+        """How many of the calling thread's last call's unit reads fell back to packed bytes (``_resolve``)."""
+        return getattr(_TLS, "fallbacks", 0)
 
     @staticmethod
     def _traced_wait(rec: trace.Recorder, refs: list, t_sub: float,
@@ -762,6 +789,21 @@ class ParallelRayGetter:
             arrived[ready[0]] = time.perf_counter()
         now = time.perf_counter()
         return [(t_created, arrived.get(r, now)) for r in refs], max(arrived.values(), default=now)
+
+
+MAP_TIMEOUT_S = 10.0
+"""How long a reader waits to map a unit's objects before it reads those rows as packed bytes instead
+(``ParallelRayGetter._resolve``). A same-node map takes milliseconds; the bound exists because one map in ~100
+CI-size passes once waited out a 300 s read deadline (session 25, cause not found in Ray 2.60)."""
+
+_FALLBACKS = [0]
+_FALLBACK_LOCK = threading.Lock()
+_TLS = threading.local()  # per reading thread: fallbacks of its last ParallelRayGetter call
+
+
+def map_fallbacks() -> int:
+    """Reads of this process that fell back from mapping units' objects to packed bytes (``MAP_TIMEOUT_S``)."""
+    return _FALLBACKS[0]
 
 
 @functools.lru_cache(maxsize=1)

@@ -262,3 +262,56 @@ def _large_puts(dp: RayDataPlane, STORE_MIN_BYTES: int, StoredChunk: type, UnitC
     assert [after[u][1] - before[u][1] for u in units] == [1, 0]  # packed bytes only for the far reader
     dp.wait_drained(timeout=60)
     assert {u: ray.get(a.num_objects.remote()) for u, a in actors.items()} == objects0  # freed once consumed
+
+
+@ray.remote(num_cpus=0)
+def never_ready() -> None:
+    """An object that is not created while a test runs (the test cancels it)."""
+    import time
+
+    time.sleep(3600)
+
+
+def test_a_map_of_unit_objects_that_hangs_falls_back_to_packed_bytes(ray_local, monkeypatch):
+    """A reader whose map of the units' objects does not complete within ``MAP_TIMEOUT_S`` (here: a ref that never
+    becomes ready rides along with the real ones) reads those rows again as packed bytes: every field arrives
+    intact, the fallback is counted, and the units answered both ways."""
+    import dataclasses
+
+    from knittrans.dataplane import ray_transport as rt
+
+    dp = build_ray(TEXT_SCHEMA, UNITS, RANKS)
+    try:
+        batch = make_text_batch(TextDataConfig(num_prompts=4, group_size=4, response_len_median=2048,
+                                               max_response_len=4096, prompt_len_mean=32, seed=6))
+        by_id = {t.traj_id: t for t in batch.trajectories}
+        for i, u in enumerate(UNITS):
+            dp.client(u).put([t.payload() for t in batch.trajectories if t.traj_id % 2 == i])
+        actors = {u: dp.unit_actors[u] for u in UNITS}
+        before = {u: ray.get(a.read_counts.remote()) for u, a in actors.items()}
+        blocker = never_ready.remote()
+        resolve = rt.ParallelRayGetter._resolve
+
+        def hanging(self, chunks, deadline):  # noqa: ANN001, ANN202
+            chunks = [dataclasses.replace(c, refs=c.refs + (blocker,)) if isinstance(c, rt.StoredChunk) else c
+                      for c in chunks]
+            return resolve(self, chunks, deadline)
+
+        monkeypatch.setattr(rt.ParallelRayGetter, "_resolve", hanging)
+        monkeypatch.setattr(rt, "MAP_TIMEOUT_S", 0.5)
+        n0 = rt.map_fallbacks()
+        mb = batch.minibatches(1)[0]
+        client = dp.client()
+        client.admit(mb)
+        for rank in range(len(RANKS)):
+            share = client.fetch(mb, rank)
+            assert client.thread_timing().map_fallbacks == 1
+            for name in FIELDS:
+                assert _field_digest(share, name) == _digest(by_id[t].payload().tensors[name]
+                                                             for t in share.traj_ids), name
+        assert rt.map_fallbacks() == n0 + len(RANKS)
+        after = {u: ray.get(a.read_counts.remote()) for u, a in actors.items()}
+        assert all(after[u][0] > before[u][0] for u in UNITS)  # answered with object locations first
+        ray.cancel(blocker, force=True)
+    finally:
+        dp.close()
