@@ -721,7 +721,7 @@ class ParallelRayGetter:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         wait = MAP_TIMEOUT_S if timeout is None else min(timeout, MAP_TIMEOUT_S)
         try:
-            objects = ray.get(refs, timeout=wait)
+            objects = _MAPPED.get(refs, wait)
         except ray.exceptions.GetTimeoutError:
             if timeout is not None and wait >= timeout:
                 raise ReadTimeoutError(f"units {sorted({c.unit_id for c in stored})} did not answer a read within "
@@ -796,6 +796,61 @@ MAP_TIMEOUT_S = 10.0
 (``ParallelRayGetter._resolve``). A same-node map takes milliseconds; the bound exists because one map in ~100
 CI-size passes once waited out a 300 s read deadline (session 25, cause not found in Ray 2.60)."""
 
+KEEP_MAPPED_S = 2.0
+"""A reader keeps each unit object it mapped (its ref and its arrays) until this long after its last use
+(``MappedObjects``)."""
+
+
+class MappedObjects:
+    """A reader process's mapped unit objects: each kept, with its ObjectRef, until ``KEEP_MAPPED_S`` after its
+    last use, so that reads of the same object moments apart (a rank's shares, its prefetcher's two threads, a
+    read per trajectory) map it once and the process never drops its last reference to an object it is about to
+    borrow again. In session 26 a reader that released and re-borrowed the same two refs hundreds of times a second
+    from two threads (one read per trajectory) had one ``ray.get`` of them never complete while their owner still
+    held them (Ray 2.60). A reader keeps an object alive past its unit's release for at most 2 x ``KEEP_MAPPED_S`` (a timer
+    sweeps every ``KEEP_MAPPED_S`` while anything is held)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[bytes, list] = {}  # object id -> [ObjectRef, its arrays, last use]
+        self._timer: threading.Timer | None = None
+
+    def get(self, refs: Sequence["ray.ObjectRef"], timeout: float | None) -> list:
+        """``ray.get(refs, timeout=timeout)``, mapping only the objects not held."""
+        with self._lock:
+            missing = list({r.binary(): r for r in refs if r.binary() not in self._held}.values())
+        got = ray.get(missing, timeout=timeout) if missing else []
+        now = time.monotonic()
+        with self._lock:
+            for r, o in zip(missing, got):
+                self._held.setdefault(r.binary(), [r, o, now])
+            out = []
+            for r in refs:
+                entry = self._held[r.binary()]
+                entry[2] = now
+                out.append(entry[1])
+            if self._timer is None:
+                self._timer = threading.Timer(KEEP_MAPPED_S, self._sweep)
+                self._timer.daemon = True
+                self._timer.start()
+        return out
+
+    def _sweep(self) -> None:
+        with self._lock:
+            now = time.monotonic()
+            for key in [k for k, e in self._held.items() if now - e[2] >= KEEP_MAPPED_S]:
+                del self._held[key]
+            self._timer = None
+            if self._held:
+                self._timer = threading.Timer(KEEP_MAPPED_S, self._sweep)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+_MAPPED = MappedObjects()
 _FALLBACKS = [0]
 _FALLBACK_LOCK = threading.Lock()
 _TLS = threading.local()  # per reading thread: fallbacks of its last ParallelRayGetter call

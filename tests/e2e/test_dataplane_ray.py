@@ -315,3 +315,23 @@ def test_a_map_of_unit_objects_that_hangs_falls_back_to_packed_bytes(ray_local, 
         ray.cancel(blocker, force=True)
     finally:
         dp.close()
+
+
+def test_a_reader_maps_each_unit_object_once_while_it_keeps_using_it_and_lets_it_go_after(ray_local, monkeypatch):
+    """``MappedObjects``: a second map of the same object moments later returns the very arrays of the first
+    (no second ``ray.get``), and an object not used for ``KEEP_MAPPED_S`` is let go by the sweep."""
+    import time
+
+    from knittrans.dataplane import ray_transport as rt
+
+    monkeypatch.setattr(rt, "KEEP_MAPPED_S", 0.3)
+    held = rt.MappedObjects()
+    a, b = ray.put((np.arange(10),)), ray.put((np.ones(3),))
+    first = held.get([a, b], timeout=30)
+    again = held.get([b, a, b], timeout=30)
+    assert again[0] is first[1] and again[1] is first[0] and again[2] is first[1] and len(held) == 2
+    deadline = time.monotonic() + 10
+    while len(held) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(held) == 0  # swept once unused for KEEP_MAPPED_S
+    assert held.get([a], timeout=30)[0][0].tolist() == list(range(10))  # mapped again on the next use
