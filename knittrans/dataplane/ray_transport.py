@@ -807,8 +807,8 @@ class MappedObjects:
     read per trajectory) map it once and the process never drops its last reference to an object it is about to
     borrow again. In session 26 a reader that released and re-borrowed the same two refs hundreds of times a second
     from two threads (one read per trajectory) had one ``ray.get`` of them never complete while their owner still
-    held them (Ray 2.60). A reader keeps an object alive past its unit's release for at most 2 x ``KEEP_MAPPED_S`` (a timer
-    sweeps every ``KEEP_MAPPED_S`` while anything is held)."""
+    held them (Ray 2.60). A reader keeps an object alive past its unit's release for at most 2 x ``KEEP_MAPPED_S``
+    (a timer sweeps every ``KEEP_MAPPED_S`` while anything is held)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
