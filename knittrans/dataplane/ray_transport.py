@@ -791,10 +791,12 @@ class ParallelRayGetter:
         return [(t_created, arrived.get(r, now)) for r in refs], max(arrived.values(), default=now)
 
 
-MAP_TIMEOUT_S = 10.0
+MAP_TIMEOUT_S = 2.0
 """How long a reader waits to map a unit's objects before it reads those rows as packed bytes instead
-(``ParallelRayGetter._resolve``). A same-node map takes milliseconds; the bound exists because one map in ~100
-CI-size passes once waited out a 300 s read deadline (session 25, cause not found in Ray 2.60)."""
+(``ParallelRayGetter._resolve``). A same-node map takes milliseconds; the bound exists because, with Ray 2.60, a
+map of a live object that the reader had just released sometimes never completed (session 25: once in ~100
+CI-size passes, waiting out the 300 s read deadline; session 26: 2 in 40 default text raw passes without
+``MappedObjects``, none in 50 with it)."""
 
 KEEP_MAPPED_S = 2.0
 """A reader keeps each unit object it mapped (its ref and its arrays) until this long after its last use
