@@ -111,6 +111,9 @@ class FetchTiming:
     pack_cpu_s: float = math.nan
     """The CPU time the packing thread spent in ``pack_s`` (``time.thread_time``): far below ``pack_s`` when the
     pack waited for a core or the GIL (other threads and processes busy on the same cores)."""
+    map_fallbacks: int = 0
+    """Unit reads of this fetch whose map of the unit's objects did not complete in time and were read again as
+    packed bytes (``ray_transport.MAP_TIMEOUT_S``): each one's wait is inside ``read_s``."""
 
 
 _INT32_MAX = 2**31 - 1
@@ -335,7 +338,9 @@ class DataPlaneClient:
             raise
         t3, c3 = time.perf_counter(), time.thread_time()
         wait = min(loc.waited_s, t1 - t0)  # measured inside the claim's round trip, so never longer than it
-        self._timings[threading.get_ident()] = FetchTiming(t1 - t0 - wait, t2 - t1, t3 - t2, wait, c3 - c2)
+        fallbacks = self.getter.thread_fallbacks() if hasattr(self.getter, "thread_fallbacks") else 0
+        self._timings[threading.get_ident()] = FetchTiming(t1 - t0 - wait, t2 - t1, t3 - t2, wait, c3 - c2,
+                                                           fallbacks)
         if rec is not None:
             rec.add(trace.CpuEvent("claim", "", t0, t1, key))
             rec.add(trace.CpuEvent("pack", "", t2, t3, key))

@@ -192,7 +192,7 @@ class FaultyUnit:
         if self.lost:
             raise UnitLostError(self.unit_id)
 
-    def put(self, payloads: Sequence[TrajectoryPayload]) -> list[PutRecord]:
+    def put(self, payloads: Sequence[TrajectoryPayload], copy: bool = True) -> list[PutRecord]:
         with self._lock:
             self._check_alive()
             self._puts += 1
@@ -205,7 +205,7 @@ class FaultyUnit:
             name = corrupt[0].field if corrupt[0].field in p.tensors else next(iter(p.tensors))  # field by field
             bad = {**p.tensors, name: _flip_one_byte(as_numpy(p.traj_id, name, p.tensors[name]))}
             payloads = [replace(p, tensors=bad), *payloads[1:]]
-        return self.inner.put(payloads)
+        return self.inner.put(payloads, copy=copy)
 
     def get(self, traj_ids: Sequence[int], fields: Sequence[str]) -> UnitChunk:
         with self._lock:

@@ -48,7 +48,7 @@ class MiniBatchTiming:
     tokens: int
     batch: int = 0  # which training batch (0-based within a multi-batch pass)
     pixel_nbytes: int = 0  # of ``nbytes``, the pixel_values bytes (multimodal)
-    fetch_parts: tuple[float, ...] = ()  # (claim, read, pack, pack CPU) seconds of ``fetch_s`` where recorded
+    fetch_parts: tuple[float, ...] = ()  # (claim, read, pack, pack CPU) seconds of ``fetch_s``, map fallbacks
 
 
 @dataclass(frozen=True)

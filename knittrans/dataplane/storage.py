@@ -115,10 +115,13 @@ class StorageUnit:
         self._lock = threading.Lock()
 
     def put(self, payloads: Sequence[TrajectoryPayload],
-            checked: Sequence[dict[str, np.ndarray] | None] | None = None) -> list[PutRecord]:
+            checked: Sequence[dict[str, np.ndarray] | None] | None = None, copy: bool = True) -> list[PutRecord]:
         """Store every payload or none: all are validated (schema, duplicates within the call and against
         what is stored) before the first is stored. ``checked``: per payload, its fields as ``validate_payload``
-        returned them, where a subclass already validated it (None entries are validated here)."""
+        returned them, where a subclass already validated it (None entries are validated here). ``copy=False``:
+        a field whose array is read-only is stored as it is, not copied (the caller owns memory nobody can write:
+        the Ray unit's object-store objects, ``ray_transport.UnitHost.put_stored``); a writeable one is still
+        copied."""
         pre = checked if checked is not None else [None] * len(payloads)
         checked = [c if c is not None else validate_payload(self.schema, p) for p, c in zip(payloads, pre)]
         seen: set[tuple[int, str]] = set()
@@ -146,7 +149,8 @@ class StorageUnit:
             for p, arrs, new in zip(payloads, checked, fresh):
                 # Copy on put: a producer that reuses or edits its buffer after put() cannot change stored bytes
                 # (one copy per field; the stored copy is read-only, so no reader can edit it in place either).
-                stored = {name: stored_copy(arr) for name, arr in new.items()}
+                stored = {name: arr if not (copy or arr.flags.writeable) else stored_copy(arr)
+                          for name, arr in new.items()}
                 self._data.setdefault(p.traj_id, {}).update(stored)  # ``new`` holds only fields not yet stored
                 self._nbytes += sum(int(a.nbytes) for a in stored.values())
                 tok = arrs.get(self.schema.token_field)

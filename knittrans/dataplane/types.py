@@ -291,9 +291,10 @@ class UnitChunk:
     """A unit's answer to a get: field ``fields[f]`` of every trajectory in ``traj_ids``, in one of two forms.
 
     - **rows** (what ``StorageUnit.get`` returns): ``values[f]`` is a tuple of per-trajectory arrays, the unit's
-      read-only stored copies themselves. In process that moves no byte; on Ray the whole chunk is one object
-      (one copy into the object store, zero-copy views on the rank). The rank then copies every row once, into its
-      packed share (``pack_share``): one copy per byte in process, two over Ray, no unit-side concatenation.
+      read-only stored copies themselves. In process that moves no byte; on Ray a rank on the unit's node gets
+      the same rows as views of the unit's own object-store objects (``ray_transport.StoredChunk``: zero-copy),
+      and a rank elsewhere gets the packed form. The rank then copies every row once, into its packed share
+      (``pack_share``).
     - **packed**: ``values[f]`` is one array with every trajectory back to back (ragged: ``lengths[f][i]`` rows
       each; fixed: stacked, lengths None). What a hand-built chunk or a rewritten field (multimodal
       ``image_index``) uses.

@@ -175,6 +175,59 @@ def from_wire(wire: tuple) -> list:
     return [build(row) for row in zip(*dec)]
 
 
+def split_arrays(wire: tuple) -> tuple[tuple, tuple[np.ndarray, ...]]:
+    """``wire`` (``to_wire``'s form) with the values of its array columns taken out (``None`` in their place),
+    and those arrays in order: the Ray put path ships the arrays as one object in the store and the rest as the
+    call's argument (``ray_transport.RayUnitProxy.put``). ``join_arrays`` puts them back."""
+    if wire[0] is None:
+        return wire, ()
+    arrays: list[np.ndarray] = []
+    cols = list(wire[2])
+    for i, (k, _) in enumerate(wire[1]):
+        if k is _ARRS:
+            keys, pairs = cols[i]
+            arrays += [values for values, _ in pairs]
+            cols[i] = (keys, tuple((None, lengths) for _, lengths in pairs))
+    return (wire[0], wire[1], tuple(cols)), tuple(arrays)
+
+
+def join_arrays(wire: tuple, arrays: Sequence[np.ndarray]) -> tuple:
+    """The inverse of ``split_arrays``: ``arrays`` back into the array columns of ``wire``, in order."""
+    if wire[0] is None:
+        return wire
+    it = iter(arrays)
+    cols = list(wire[2])
+    for i, (k, _) in enumerate(wire[1]):
+        if k is _ARRS:
+            keys, pairs = cols[i]
+            cols[i] = (keys, tuple((next(it), lengths) for _, lengths in pairs))
+    if next(it, None) is not None:
+        raise ValueError("join_arrays: more arrays than the wire form's array columns hold")
+    return wire[0], wire[1], tuple(cols)
+
+
+def array_layout(wire: tuple, attr: str) -> tuple[tuple[str, ...], int, tuple[np.ndarray, ...]] | None:
+    """Where attribute ``attr`` (a dict of arrays per item, e.g. a payload's ``tensors``) lies in the arrays
+    ``split_arrays`` takes out: its keys, the index of the first key's array, and each key's row offsets (item i's
+    value of key ``keys[j]`` is ``arrays[first + j][offsets[j][i]:offsets[j][i + 1]]``). None when ``attr`` did not
+    travel as an array column."""
+    if wire[0] is None:
+        return None
+    first = 0
+    for name, (k, _), col in zip(_names(wire[0]), wire[1], wire[2]):
+        if k is not _ARRS:
+            continue
+        if name == attr:
+            offsets = []
+            for _, lengths in col[1]:
+                off = np.zeros(len(lengths) + 1, dtype=np.int64)
+                np.cumsum(lengths, out=off[1:])
+                offsets.append(off)
+            return col[0], first, tuple(offsets)
+        first += len(col[0])
+    return None
+
+
 class WireList:
     """A list that pickles in its compact wire form (see the module doc); ``items`` is the list."""
 

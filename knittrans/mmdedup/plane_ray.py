@@ -32,6 +32,8 @@ from knittrans.mmdedup.store import StoreStats
 class MMUnitHost(UnitHost):
     """An ``MMStorageUnit`` behind the storage-unit actor API, plus its encoding-store statistics."""
 
+    STORED_PUTS = False  # MMStorageUnit.put copies every field (it rewrites image_index per occurrence)
+
     def __init__(self, unit_id: str, node: str, schema: TrajectorySchema, hash_fn: HashFn, dedup: bool = True) -> None:
         import torch
 

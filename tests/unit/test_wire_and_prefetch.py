@@ -186,3 +186,49 @@ def test_the_multimodal_unit_actor_returns_packed_fields_not_one_array_per_row()
     assert all(isinstance(v, np.ndarray) for v in ch.values)  # rows would be tuples of 6 arrays
     ids = ch.values[MM_SCHEMA.names.index("input_ids")]
     assert ids.shape == (sum(5 + t for t in range(6)),) and len(ch.pixels) == 1
+
+
+def test_split_and_join_arrays_round_trip_and_name_where_each_row_lies():
+    from knittrans.dataplane.wire import array_layout, from_wire, join_arrays, split_arrays
+
+    payloads = [TrajectoryPayload(t, {"input_ids": np.arange(t + 1, dtype=np.int64),
+                                      "loss_mask": np.ones(t + 2, dtype=bool)}) for t in range(4)]
+    rest, arrays = split_arrays(to_wire(payloads))
+    assert [a.shape[0] for a in arrays] == [1 + 2 + 3 + 4, 2 + 3 + 4 + 5]
+    back = from_wire(join_arrays(pickle.loads(pickle.dumps(rest)), arrays))
+    keys, first, offsets = array_layout(rest, "tensors")
+    for i, (p, q) in enumerate(zip(payloads, back)):
+        assert q.traj_id == p.traj_id
+        for j, k in enumerate(keys):
+            assert np.array_equal(q.tensors[k], p.tensors[k])
+            assert np.array_equal(arrays[first + j][offsets[j][i]:offsets[j][i + 1]], p.tensors[k])
+    with pytest.raises(ValueError):
+        join_arrays(rest, arrays + arrays[:1])
+    mixed = [TrajectoryPayload(0, {"input_ids": np.arange(3)}), TrajectoryPayload(1, {"loss_mask": np.ones(2, bool)})]
+    rest, arrays = split_arrays(to_wire(mixed))
+    assert arrays == () and array_layout(rest, "tensors") is None  # no array column: the put travels as it is
+
+
+def test_stored_objects_locate_only_rows_that_are_still_the_stored_views():
+    """A Ray unit answers a same-node read with object locations only when every row it would return is the
+    stored object view itself: a substituted row (a rewritten field, an injected corruption) makes the whole
+    read fall back to packed bytes, and drops release an object with its last row."""
+    from knittrans.dataplane.ray_transport import StoredObjects
+    from knittrans.dataplane.types import UnitChunk
+
+    col = np.arange(10, dtype=np.int64)
+    col.flags.writeable = False
+    views = [col[0:4], col[4:10]]
+    objs = StoredObjects()
+    ref = object()  # stands in for the ObjectRef
+    objs.add(ref, [(7, "input_ids", 0, 0, 4, views[0]), (8, "input_ids", 0, 4, 10, views[1])])
+    chunk = UnitChunk("u0", (7, 8), ("input_ids",), (tuple(views),), (np.array([4, 6]),))
+    stored = objs.locate(chunk)
+    assert stored is not None and stored.refs == (ref,)
+    assert [r.tolist() for r in stored.resolve([(col,)]).rows(0)] == [v.tolist() for v in views]
+    swapped = UnitChunk("u0", (7, 8), ("input_ids",), ((views[0], views[1].copy()),), (np.array([4, 6]),))
+    assert objs.locate(swapped) is None
+    objs.drop([7], None)
+    assert objs.num_objects == 1 and objs.locate(chunk) is None  # 7 is no longer a stored row of it
+    objs.drop([8], ["input_ids"])
+    assert objs.num_objects == 0
