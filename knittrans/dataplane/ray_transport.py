@@ -796,7 +796,7 @@ MAP_TIMEOUT_S = 2.0
 (``ParallelRayGetter._resolve``). A same-node map takes milliseconds; the bound exists because, with Ray 2.60, a
 map of a live object that the reader had just released sometimes never completed (session 25: once in ~100
 CI-size passes, waiting out the 300 s read deadline; session 26: 2 in 40 default text raw passes without
-``MappedObjects``, none in 50 with it)."""
+``MappedObjects``, none in 134 with it)."""
 
 KEEP_MAPPED_S = 2.0
 """A reader keeps each unit object it mapped (its ref and its arrays) until this long after its last use
