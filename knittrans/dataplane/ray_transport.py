@@ -46,7 +46,7 @@ from knittrans.dataplane.controller import Controller, ControllerConfig, Control
 from knittrans.dataplane.heap import freeze_startup_heap
 from knittrans.dataplane.buffers import BufferPool
 from knittrans.dataplane.recovery import CompleteEvent, ControllerJournal, JournalState, RecoveryError, Released
-from knittrans.dataplane.storage import StorageUnit, UnitStats, packed_chunk
+from knittrans.dataplane.storage import StorageUnit, UnitStats, packed_chunk, pop_fields
 from knittrans.dataplane.types import (AdmittedMiniBatch, ControllerLostError, DataPlaneClosedError, DataPlaneError,
                                        MiniBatchKey, PutRecord, ReadTimeoutError, ShareLocation, TrajectoryPayload,
                                        TrajectorySchema, UnitChunk, UnitLostError)
@@ -110,16 +110,8 @@ class StoredObjects:
 
     def drop(self, traj_ids: Sequence[int], fields: Sequence[str] | None) -> None:
         with self._lock:
-            for t in traj_ids:
-                held = self._rows.get(t)
-                if held is None:
-                    continue
-                for name in list(held) if fields is None else fields:
-                    row = held.pop(name, None)
-                    if row is not None:
-                        self._release(row.key)
-                if not held:
-                    del self._rows[t]
+            for _, _, row in pop_fields(self._rows, traj_ids, fields):
+                self._release(row.key)
 
     def clear(self) -> None:
         with self._lock:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, replace
-from typing import ClassVar, Sequence
+from typing import ClassVar, Iterator, Sequence, TypeVar
 
 import numpy as np
 
@@ -99,6 +99,26 @@ def packed_chunk(chunk: UnitChunk, pool: BufferPool | None = None) -> UnitChunk:
         values[f] = out
         off += aligned(sizes[f])
     return replace(chunk, values=tuple(values))
+
+
+_V = TypeVar("_V")
+
+
+def pop_fields(rows: dict[int, dict[str, _V]], traj_ids: Sequence[int],
+               fields: Sequence[str] | None) -> Iterator[tuple[int, str, _V]]:
+    """Pop ``fields`` (every field when None) of ``traj_ids`` from ``rows`` (trajectory -> field -> value),
+    yielding (trajectory, field, value) for each one popped; a trajectory left without fields is removed before its
+    last field is yielded. Unknown trajectories and fields are skipped. The caller holds the lock of ``rows``."""
+    for t in traj_ids:
+        held = rows.get(t)
+        if held is None:
+            continue
+        for name in list(held) if fields is None else fields:
+            if name in held:
+                value = held.pop(name)
+                if not held:
+                    del rows[t]
+                yield t, name, value
 
 
 class StorageUnit:
@@ -201,16 +221,11 @@ class StorageUnit:
         (drop is idempotent: it runs after consumption, or to roll back a rejected put)."""
         freed = 0
         with self._lock:
-            for t in traj_ids:
-                held = self._data.get(t)
-                if held is None:
-                    continue
-                for name in list(held) if fields is None else fields:
-                    arr = held.pop(name, None)
-                    freed += 0 if arr is None else int(arr.nbytes)
-                    self._sums.get(t, {}).pop(name, None)
-                if not held:
-                    del self._data[t]
+            for t, name, arr in pop_fields(self._data, traj_ids, fields):
+                freed += int(arr.nbytes)
+                sums = self._sums.get(t, {})
+                sums.pop(name, None)
+                if t not in self._data:
                     self._sums.pop(t, None)
             self._nbytes -= freed
         return freed
