@@ -691,8 +691,7 @@ class ParallelRayGetter:
         rec = trace.active()
         if rec is not None:  # a multi-node run's trace: split each read into source work, the pull, the unpickle
             pulls, t_local = self._traced_wait(rec, refs, t_sub, deadline)
-        chunks = [_call(r, u, None if deadline is None else max(0.0, deadline - time.monotonic()))
-                  for r, (u, _) in zip(refs, requests)]
+        chunks = [_call(r, u, _left(deadline)) for r, (u, _) in zip(refs, requests)]
         if any(isinstance(c, StoredChunk) for c in chunks):
             chunks = self._resolve(chunks, deadline)
         if rec is not None:
@@ -703,14 +702,15 @@ class ParallelRayGetter:
         return chunks
 
     def _resolve(self, chunks: list, deadline: float | None) -> list[UnitChunk]:
-        """Map the units' objects that ``StoredChunk`` answers name (one ``ray.get`` for all: zero-copy on this
-        node) and read them as rows. A unit that died meanwhile raises ``UnitLostError``; past the deadline,
-        ``ReadTimeoutError``. A map that has not completed after ``MAP_TIMEOUT_S`` reads those rows again as the
-        units' packed bytes (``get``): the unit's stored rows do not depend on the objects' refs, so a map that
-        hangs costs that wait, never the read (counted: ``map_fallbacks``)."""
+        """Map the units' objects that ``StoredChunk`` answers name (one ``ray.get`` for all those this process
+        does not hold already, ``MappedObjects``: zero-copy on this node) and read them as rows. A unit that died
+        meanwhile raises ``UnitLostError``; past the deadline, ``ReadTimeoutError``. A map that has not completed
+        after ``MAP_TIMEOUT_S`` reads those rows again as the units' packed bytes (``get``): the unit's stored rows
+        do not depend on the objects' refs, so a map that hangs costs that wait, never the read (counted:
+        ``thread_fallbacks``, then ``FetchTiming.map_fallbacks``)."""
         stored = [c for c in chunks if isinstance(c, StoredChunk)]
         refs = [r for c in stored for r in c.refs]
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        timeout = _left(deadline)
         wait = MAP_TIMEOUT_S if timeout is None else min(timeout, MAP_TIMEOUT_S)
         try:
             objects = _MAPPED.get(refs, wait)
@@ -740,8 +740,6 @@ class ParallelRayGetter:
 
     def _packed_instead(self, chunks: list, refs: list, deadline: float | None) -> list[UnitChunk]:
         """The rows of every ``StoredChunk`` in ``chunks`` read again as their units' packed bytes (``get``)."""
-        with _FALLBACK_LOCK:
-            _FALLBACKS[0] += 1
         _TLS.fallbacks = getattr(_TLS, "fallbacks", 0) + 1
         log.warning("mapping %d object(s) of units %s did not complete within %.1f s; reading those rows as packed "
                     "bytes instead (objects %s)", len(refs), sorted({c.unit_id for c in chunks
@@ -749,8 +747,7 @@ class ParallelRayGetter:
                     MAP_TIMEOUT_S, [r.hex() for r in refs])
         again = {i: self.units[c.unit_id].actor.get.remote(c.traj_ids, c.fields) for i, c in enumerate(chunks)
                  if isinstance(c, StoredChunk)}
-        return [_call(again[i], c.unit_id, None if deadline is None else max(0.0, deadline - time.monotonic()))
-                if i in again else c for i, c in enumerate(chunks)]
+        return [_call(again[i], c.unit_id, _left(deadline)) if i in again else c for i, c in enumerate(chunks)]
 
     @staticmethod
     def thread_fallbacks() -> int:
@@ -764,18 +761,14 @@ class ParallelRayGetter:
         the unit's get, serialization into its node's object store: CPU work, recorded as "source"), then until
         each is local here (one pull per unit, recorded per object by ``__call__``). Pulls start only after every
         answer exists (a few ms later than untraced reads, the same for every share)."""
-
-        def left() -> float | None:
-            return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-        ray.wait(refs, num_returns=len(refs), timeout=left(), fetch_local=False)
+        ray.wait(refs, num_returns=len(refs), timeout=_left(deadline), fetch_local=False)
         t_created = time.perf_counter()
         rec.add(trace.CpuEvent("source", ray.get_runtime_context().get_node_id(), t_sub, t_created,
                                trace.current_key()))
         arrived: dict = {}  # ObjectRef -> when it was local
         pending = list(refs)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=left(), fetch_local=True)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=_left(deadline), fetch_local=True)
             if not ready:
                 break  # past the deadline: _call raises ReadTimeoutError for what is missing
             arrived[ready[0]] = time.perf_counter()
@@ -824,10 +817,14 @@ class MappedObjects:
                 entry[2] = now
                 out.append(entry[1])
             if self._timer is None:
-                self._timer = threading.Timer(KEEP_MAPPED_S, self._sweep)
-                self._timer.daemon = True
-                self._timer.start()
+                self._arm()
         return out
+
+    def _arm(self) -> None:
+        """Sweep in ``KEEP_MAPPED_S`` (the caller holds the lock)."""
+        self._timer = threading.Timer(KEEP_MAPPED_S, self._sweep)
+        self._timer.daemon = True
+        self._timer.start()
 
     def _sweep(self) -> None:
         with self._lock:
@@ -836,23 +833,19 @@ class MappedObjects:
                 del self._held[key]
             self._timer = None
             if self._held:
-                self._timer = threading.Timer(KEEP_MAPPED_S, self._sweep)
-                self._timer.daemon = True
-                self._timer.start()
+                self._arm()
 
     def __len__(self) -> int:
         return len(self._held)
 
 
 _MAPPED = MappedObjects()
-_FALLBACKS = [0]
-_FALLBACK_LOCK = threading.Lock()
 _TLS = threading.local()  # per reading thread: fallbacks of its last ParallelRayGetter call
 
 
-def map_fallbacks() -> int:
-    """Reads of this process that fell back from mapping units' objects to packed bytes (``MAP_TIMEOUT_S``)."""
-    return _FALLBACKS[0]
+def _left(deadline: float | None) -> float | None:
+    """Seconds left before ``deadline`` (``time.monotonic``), never negative; None without a deadline."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 @functools.lru_cache(maxsize=1)
