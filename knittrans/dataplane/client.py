@@ -25,20 +25,27 @@ Example (in-process)::
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
 import numpy as np
 
 from knittrans.dataplane import trace
-from knittrans.dataplane.buffers import BufferPool, aligned, copy_rows, process_pool
+from knittrans.dataplane.buffers import ALIGN, BufferPool, aligned, copy_rows, process_pool
 from knittrans.dataplane.types import (AdmittedMiniBatch, DataPlaneError, MiniBatchKey, PackedField,
-                                       PackedShare, PutRecord, SchemaMismatchError, ShareLocation, ShareTooLargeError,
-                                       TrajectoryPayload, TrajectorySchema, UnitChunk, UnitLostError)
+                                       PackedShare, PutRecord, SchemaMismatchError, ShareLocation, ShareRuns,
+                                       ShareTooLargeError, TrajectoryPayload, TrajectorySchema, UnitChunk,
+                                       UnitLostError)
 from knittrans.types import MiniBatch
+
+
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+# (``pack_runs`` reads read-only sources through torch tensors it never writes)
 
 
 class ControllerAPI(Protocol):
@@ -74,10 +81,14 @@ class UnitAPI(Protocol):
 
 
 class UnitGetter(Protocol):
-    """Reads chunks from several units at once (the Ray transport issues every get before waiting on any)."""
+    """Reads chunks from several units at once (the Ray transport issues every get before waiting on any), and
+    resolves a share's sources (``resolve``: in process the sources are the arrays; on Ray one ``ray.get`` of
+    their object refs, no unit call)."""
 
     def __call__(self, requests: Sequence[tuple[str, tuple[int, ...]]], fields: Sequence[str],
                  unit_args: Mapping[str, tuple] | None = None) -> list[UnitChunk]: ...
+
+    def resolve(self, runs: ShareRuns) -> Sequence[Sequence[np.ndarray]]: ...
 
 
 @dataclass(frozen=True)
@@ -97,6 +108,10 @@ class PrepareConfig:
     """Buffers the process keeps for reuse (``buffers.process_pool``, shared by its ranks; each about one share):
     a rank needs its prefetch depth + 2 (the share in training, the one being packed); beyond the pool a share
     gets an ordinary allocation."""
+    direct_reads: bool = True
+    """Read a share whose rows all lie in their units' sources straight from them (``ShareLocation.runs``: one
+    resolve, one copy of a few runs, no unit call). False: every share through its units (``UnitAPI.get``), the
+    plain twin the equivalence tests compare against."""
 
 
 @dataclass(frozen=True)
@@ -201,6 +216,79 @@ def pack_share(loc: ShareLocation, chunks: Sequence[UnitChunk], schema: Trajecto
         out[name] = PackedField(name, tensor, cu)
     return PackedShare(key=loc.key, rank=loc.rank, traj_ids=loc.traj_ids, fields=out, nbytes=loc.nbytes,
                        num_tokens=tokens, seq=loc.seq, group_ids=loc.group_ids, epoch=loc.epoch)
+
+
+def pack_runs(loc: ShareLocation, objects: Sequence[Sequence[np.ndarray]], schema: TrajectorySchema,
+              prepare: PrepareConfig = PrepareConfig(), pool: BufferPool | None = None) -> PackedShare:
+    """Pack a share from its runs (``loc.runs``, ``ShareRuns``): ``objects[s]`` are the arrays of source ``s``
+    (in process: the put's arrays themselves; on Ray: one ``ray.get`` of the sources' object refs, views of the
+    object store). Every byte is copied once, by one native call for the whole share (``torch.cat`` into the
+    share's buffer, the GIL released while the bytes move: a rank's copy runs beside other threads' Python), from
+    a few runs rather than one row per trajectory. Same result as ``pack_share`` over the rows."""
+    import torch  # here, not at module top: producer, unit and controller processes never pay torch's import
+
+    runs = loc.runs
+    assert runs is not None
+    casts = dict(prepare.casts)
+    pin = prepare.pin_memory and torch.cuda.is_available()
+    flat = [[_bytes_of(a) for a in arrays] for arrays in objects]  # each source array's bytes, once per share
+    plan, total = [], 0
+    for f, name in enumerate(loc.fields):
+        spec = schema.get(name)
+        dtype = np.dtype(spec.dtype)
+        row = dtype.itemsize * int(np.prod(spec.tail, dtype=np.int64))
+        nb = runs.nbytes[f]
+        nbytes = int(nb.sum())
+        plan.append((name, spec, dtype, nb // row if row else nb * 0, total, nbytes))
+        total += aligned(nbytes)
+    pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True) if pin else None
+    buf = None if pinned is not None else (pool.take(total) if pool is not None else np.empty(total, np.uint8))
+    pieces, end = [], 0
+    for f, (name, spec, dtype, rows, off, nbytes) in enumerate(plan):
+        if off > end:  # the gap before an aligned field: zeros, so the whole share is one copy
+            pieces.append(_zeros()[:off - end])
+        for o, c, a, b in runs.runs[f].tolist():
+            pieces.append(flat[o][c][a:b])
+        end = off + nbytes
+    whole = pinned if pinned is not None else torch.from_numpy(buf)
+    if pieces:
+        torch.cat(pieces, out=whole[:end])  # the one copy; a share of length 0 has nothing to copy
+    out: dict[str, PackedField] = {}
+    tokens = 0
+    for name, spec, dtype, rows, off, nbytes in plan:
+        lens = rows if spec.ragged else None
+        n = int(rows.sum()) if spec.ragged else len(rows)
+        shape = (n, *spec.tail)
+        tensor = whole[off:off + nbytes].view(torch.from_numpy(np.empty(0, dtype)).dtype).reshape(shape)
+        cu = None
+        if lens is not None:
+            offs = np.zeros(len(lens) + 1, dtype=np.int64)
+            np.cumsum(lens, out=offs[1:])
+            cu = torch.from_numpy(cu_seqlens_int32(offs, name, loc))
+        if name == schema.token_field:
+            tokens = n
+        if name in casts:
+            tensor = tensor.to(getattr(torch, casts[name]))
+            if pin:
+                tensor = tensor.pin_memory()  # the cast made a new (pageable) tensor
+        out[name] = PackedField(name, tensor, cu)
+    return PackedShare(key=loc.key, rank=loc.rank, traj_ids=loc.traj_ids, fields=out, nbytes=loc.nbytes,
+                       num_tokens=tokens, seq=loc.seq, group_ids=loc.group_ids, epoch=loc.epoch)
+
+
+def _bytes_of(a: np.ndarray):  # noqa: ANN202 - a uint8 torch tensor over ``a``'s bytes (no copy)
+    import torch
+
+    # Sources are read-only (a unit's stored copy, an object-store view): torch warns once that it cannot mark
+    # such a tensor read-only; nothing writes through it (it is only ever a ``torch.cat`` input).
+    return torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+
+
+@functools.lru_cache(maxsize=1)
+def _zeros():  # noqa: ANN202 - ALIGN zero bytes, the padding between a share's fields
+    import torch
+
+    return torch.zeros(ALIGN, dtype=torch.uint8)
 
 
 @dataclass
@@ -318,13 +406,20 @@ class DataPlaneClient:
         return self.pool
 
     def _deliver(self, loc: ShareLocation, t0: float, ack: bool = True) -> PackedShare:
-        """Read a claimed share from its units, verify and pack it, ack it (after which fully consumed
-        trajectories are dropped at their units). A failed read or check undoes the claim before re-raising."""
+        """Read a claimed share, verify and pack it, ack it (after which fully consumed trajectories are dropped at
+        their units). A share with runs (``loc.runs``) is read straight from its sources, no unit call; any other
+        through its units. A failed read or check undoes the claim before re-raising."""
         rec = trace.active()  # None unless a multi-node run records this process (knittrans.dataplane.trace)
         key = f"r{loc.rank}/s{loc.seq}"
+        direct = loc.runs is not None and self.prepare.direct_reads
         try:
             with trace.keyed(key) if rec is not None else contextlib.nullcontext():
-                chunks, t1, t2 = self._read(loc)
+                if direct:
+                    t1 = time.perf_counter()
+                    objects = self._resolve(loc.runs)
+                    t2 = time.perf_counter()
+                else:
+                    chunks, t1, t2 = self._read(loc)
         except DataPlaneError as e:
             if isinstance(e, UnitLostError):
                 self.controller.lose_unit(e.unit_id)  # whoever sees a unit die reports it (idempotent)
@@ -332,7 +427,15 @@ class DataPlaneClient:
             raise
         c2 = time.thread_time()
         try:
-            share = self._pack(loc, chunks)
+            if direct:
+                share = pack_runs(loc, objects, self.schema, self.prepare, self.pack_pool())
+                del objects  # the object-store views: the share holds its own bytes now
+                if loc.checksums:
+                    from knittrans.dataplane.faults import verify_share
+
+                    verify_share(loc, share)
+            else:
+                share = self._pack(loc, chunks)
         except DataPlaneError:
             self.controller.unclaim(loc.key, loc.rank, loc.fields)
             raise
@@ -348,6 +451,12 @@ class DataPlaneClient:
             for unit_id, ts in self.controller.ack(loc.key, loc.rank, loc.fields, _fence(loc.epoch)):
                 self.units[unit_id].drop(ts)
         return share
+
+    def _resolve(self, runs: ShareRuns) -> Sequence[Sequence[np.ndarray]]:
+        """The arrays of each of the share's sources: in process the sources themselves; on Ray one ``ray.get``
+        (``ParallelRayGetter.resolve``)."""
+        resolve = getattr(self.getter, "resolve", None)
+        return runs.sources if resolve is None else resolve(runs)
 
     def _unit_args(self, loc: ShareLocation) -> Mapping[str, tuple] | None:
         """Hook: extra arguments of each unit's ``get`` for this share (None: none; ``MMClient`` names the

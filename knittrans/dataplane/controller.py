@@ -37,13 +37,15 @@ from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Sequence
 
+import numpy as np
+
 from knittrans.dataplane.assign import ShareItem, assign_shares
 from knittrans.dataplane.idset import IdRanges
 from knittrans.dataplane.recovery import CompleteEvent, ControllerJournal, JournalState, Released, rebuild
 from knittrans.dataplane.types import (AdmissionStateError, AdmittedMiniBatch, AlreadyConsumedError,
-                                       DataLostError, DataPlaneClosedError, DuplicatePutError, EndOfStream, FencedError,
-                                       FieldNotProducedError, MiniBatchKey, PutRecord, ShareLocation,
-                                       TrajectorySchema, UnknownMiniBatchError)
+                                       DataLostError, DataPlaneClosedError, DataPlaneError, DuplicatePutError,
+                                       EndOfStream, FencedError, FieldNotProducedError, MiniBatchKey, PutRecord,
+                                       ShareLocation, ShareRuns, TrajectorySchema, UnknownMiniBatchError)
 from knittrans.types import BatchPlan, MiniBatch, Trajectory
 
 if TYPE_CHECKING:  # the admission package is only needed when a policy is passed in
@@ -79,6 +81,9 @@ class _TrajState:
     checksums: dict[str, int] = field(default_factory=dict)  # produced field -> producer's checksum
     meta: Trajectory | None = None  # admission metadata, once the completing put arrived
     t_complete: float = 0.0  # when the completing put registered (seconds since the controller started)
+    where: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
+    """Produced field -> (source key, array, first byte, end byte) in its unit's source (``PutRecord.where``);
+    a field without an entry is read through its unit."""
 
 
 @dataclass
@@ -165,6 +170,11 @@ class Controller:
         self._failure: BaseException | None = None  # an admission failure: every waiter re-raises it
         self._t0 = time.perf_counter()
         self._trajs: dict[int, _TrajState] = {}
+        # The units' sources the trajectories' fields lie in (``PutRecord.source``): key -> [handle, unit id, rows
+        # still registered]. Kept while any registered row lies in it, so a claim can hand it to a reader (on Ray the
+        # handle is an ObjectRef: holding it here also keeps the object alive until its rows are released).
+        self._sources: dict[int, list] = {}
+        self._next_source = 0
         self._mbs: dict[MiniBatchKey, _MiniBatchState] = {}
         self._log: list[MiniBatchKey] = []
         self._claims = 0
@@ -236,6 +246,7 @@ class Controller:
                                                 f"produced (each field is produced exactly once)")
                     seen.add((r.traj_id, fm.name))
             completing = self._check_completions([r for r in records if r.traj_id not in skip])
+            keys: dict[int, int] = {}  # id(source) -> source key, for this call
             for r in records:
                 if r.traj_id in skip:
                     continue
@@ -244,11 +255,23 @@ class Controller:
                     st.unit_id = r.unit_id
                     st.fields.clear()
                     st.checksums.clear()
+                    self._release_where_locked(st)
                     self._missing.discard(r.traj_id)
                 st.fields.update({fm.name: fm.nbytes for fm in r.fields})
                 st.checksums.update({fm.name: fm.checksum for fm in r.fields if fm.checksum is not None})
+                if r.source is not None:
+                    key = keys.get(id(r.source))
+                    if key is None:
+                        key = keys[id(r.source)] = self._add_source_locked(r.source, r.unit_id)
+                    for fm, w in zip(r.fields, r.where):
+                        if w is not None:
+                            st.where[fm.name] = (key, *w)
+                            self._sources[key][2] += 1
                 if r.num_tokens is not None:
                     st.num_tokens = r.num_tokens
+            for key in keys.values():
+                if self._sources[key][2] == 0:  # every row it carried was a repeat: nothing lies in it
+                    del self._sources[key]
             self._registered_locked(records)
             for r in completing:
                 self._complete_locked(r)
@@ -279,11 +302,58 @@ class Controller:
                    and (fm.name in r.repeated or st.checksums.get(fm.name) == fm.checksum)}
             same_meta = r.meta is not None and st.meta == r.meta
             if rep or same_meta:
-                r = dataclasses.replace(r, fields=tuple(fm for fm in r.fields if fm.name not in rep),
+                keep = [i for i, fm in enumerate(r.fields) if fm.name not in rep]
+                r = dataclasses.replace(r, fields=tuple(r.fields[i] for i in keep),
+                                        where=tuple(r.where[i] for i in keep) if r.where else (),
                                         meta=None if same_meta else r.meta)
             if r.fields or r.meta is not None:
                 out.append(r)
         return out
+
+    def _add_source_locked(self, handle: object, unit_id: str) -> int:
+        key, self._next_source = self._next_source, self._next_source + 1
+        self._sources[key] = [handle, unit_id, 0]
+        return key
+
+    def _release_where_locked(self, st: _TrajState) -> None:
+        """``st``'s rows leave their sources (released, discarded, lost or replaced): a source without rows is
+        forgotten (on Ray: the controller's reference to the unit's object goes; the unit frees it with its last
+        row)."""
+        for key, *_ in st.where.values():
+            src = self._sources.get(key)
+            if src is not None:
+                src[2] -= 1
+                if src[2] <= 0:
+                    del self._sources[key]
+        st.where.clear()
+
+    def _runs_locked(self, traj_ids: Sequence[int], fields: Sequence[str]) -> ShareRuns | None:
+        """The share's bytes as runs of its units' sources (``ShareRuns``), or None unless every requested row of
+        it has a location. Rows that lie back to back in one array merge into one run."""
+        index: dict[int, int] = {}
+        runs, sizes = [], []
+        for name in fields:
+            out: list[list[int]] = []
+            nb = np.empty(len(traj_ids), dtype=np.int64)
+            for i, t in enumerate(traj_ids):
+                st = self._trajs[t]
+                w = st.where.get(name)
+                if w is None:
+                    return None
+                key, col, a, b = w
+                o = index.get(key)
+                if o is None:
+                    o = index[key] = len(index)
+                if out and out[-1][0] == o and out[-1][1] == col and out[-1][3] == a:
+                    out[-1][3] = b
+                else:
+                    out.append([o, col, a, b])
+                nb[i] = b - a
+            runs.append(np.array(out, dtype=np.int64).reshape(-1, 4))
+            sizes.append(nb)
+        keys = list(index)
+        return ShareRuns(tuple(self._sources[k][0] for k in keys), tuple(self._sources[k][1] for k in keys),
+                         tuple(runs), tuple(sizes))
 
     # -- admission (with a policy) ---------------------------------------------------------------------------
 
@@ -517,7 +587,7 @@ class Controller:
                                  unit_ids=tuple(self._trajs[t].unit_id or "" for t in traj_ids),
                                  fields=tuple(fields), nbytes=nbytes, checksums=sums, seq=st.admitted.seq,
                                  group_ids=st.admitted.group_ids,
-                                 epoch=-1 if epoch is None else epoch)
+                                 epoch=-1 if epoch is None else epoch, runs=self._runs_locked(traj_ids, fields))
 
     def claim_next(self, seq: int, rank: int, fields: Sequence[str], timeout: float | None = None,
                    epoch: int | None = None) -> ShareLocation:
@@ -535,6 +605,38 @@ class Controller:
                                        f"{timeout} s")
         waited = time.perf_counter() - t_wait
         return dataclasses.replace(self.claim(adm.key, rank, fields, epoch), waited_s=waited)
+
+    def claim_many(self, seq: int, rank: int, fields: Sequence[str], limit: int, timeout: float | None = None,
+                   epoch: int | None = None) -> tuple[ShareLocation, ...]:
+        """The long poll of a rank's feed (``knittrans.dataplane.feed``): wait for the ``seq``-th admitted
+        mini-batch (as ``claim_next``), then claim rank ``rank``'s shares of it and of every later mini-batch
+        admitted by now, at most ``limit`` of them, in admission order. One round trip hands a rank every share
+        admitted since its last call. ``TimeoutError`` (nothing claimed) if #``seq`` is not admitted in time; a later
+        share that cannot be claimed now (a lost trajectory not re-put yet) ends the list instead of failing it."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise AdmissionStateError(f"claim_many: limit must be an int >= 1, got {limit!r}")
+        out = [self.claim_next(seq, rank, fields, timeout, epoch)]
+        with self._cv:
+            for s in range(seq + 1, seq + limit):
+                if len(self._log) <= s:
+                    break
+                st = self._mbs.get(self._log[s])
+                if st is None or any(self._trajs[t].unit_id is None for t in st.admitted.shares[rank]):
+                    break
+                try:
+                    out.append(self.claim(st.admitted.key, rank, fields, epoch))
+                except DataPlaneError:
+                    break  # claimed already, or not produced yet: the rank's next poll asks for it
+        return tuple(out)
+
+    def ack_many(self, acks: Sequence[tuple[MiniBatchKey, int, tuple[str, ...], int | None]]
+                 ) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """Several acks in one call (a rank's batched, asynchronous acks), applied in order; the units' drops of
+        every mini-batch they release. The first failing ack raises, after the ones before it were applied."""
+        drops: list[tuple[str, tuple[int, ...]]] = []
+        for key, rank, fields, epoch in acks:
+            drops += self.ack(key, rank, fields, epoch)
+        return tuple(drops)
 
     def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str],
             epoch: int | None = None) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -588,6 +690,7 @@ class Controller:
         touched: set[int] = set()
         for t in adm.traj_ids:
             ts = self._trajs.pop(t)
+            self._release_where_locked(ts)
             if ts.unit_id is None:
                 self._consumed_after_loss.add(t)
             if ts.meta is not None and self.config.keep_records:
@@ -653,6 +756,7 @@ class Controller:
                     if t in done[st.admitted_in]:
                         continue  # its rank holds it already
                 st.unit_id = None  # fields stay recorded (what was produced) until the re-put replaces them
+                self._release_where_locked(st)  # its bytes went with the unit
                 lost.append(t)
             if lost:
                 self._units_lost += 1
@@ -689,6 +793,7 @@ class Controller:
                 st = self._trajs.pop(t, None)
                 if st is None:
                     continue
+                self._release_where_locked(st)
                 self._missing.discard(t)
                 self._discarded += 1
                 if st.unit_id is not None:

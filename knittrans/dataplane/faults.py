@@ -102,6 +102,24 @@ def verify_chunks(loc: ShareLocation, chunks: Sequence[UnitChunk], ragged: Mappi
                     _corrupt(t, name, arr, s, f"fetch from unit {ch.unit_id}")
 
 
+def verify_share(loc: ShareLocation, share) -> None:  # noqa: ANN001 - a PackedShare
+    """Check every trajectory's row of every field of a share packed from its runs (``client.pack_runs``) against
+    the claim's checksums: the rows as the producer shaped them (ragged: ``cu_seqlens`` slices; fixed: one row
+    each)."""
+    if not loc.checksums:
+        return
+    for name, col in zip(loc.fields, loc.checksums):
+        pf = share.fields[name]
+        values = pf.values.numpy()
+        cu = None if pf.cu_seqlens is None else pf.cu_seqlens.numpy()
+        for i, (t, want) in enumerate(zip(loc.traj_ids, col)):
+            if want is None:
+                continue
+            arr = values[cu[i]:cu[i + 1]] if cu is not None else values[i]
+            if field_checksum(arr) != want:
+                _corrupt(t, name, arr, want, "fetch")
+
+
 # -- the fault plan ---------------------------------------------------------------------------------------------
 
 
@@ -205,7 +223,8 @@ class FaultyUnit:
             name = corrupt[0].field if corrupt[0].field in p.tensors else next(iter(p.tensors))  # field by field
             bad = {**p.tensors, name: _flip_one_byte(as_numpy(p.traj_id, name, p.tensors[name]))}
             payloads = [replace(p, tensors=bad), *payloads[1:]]
-        return self.inner.put(payloads, copy=copy)
+        # A faulty unit's rows are read through its get (where its read faults fire): no direct sources.
+        return [replace(r, source=None, where=()) for r in self.inner.put(payloads, copy=copy)]
 
     def get(self, traj_ids: Sequence[int], fields: Sequence[str]) -> UnitChunk:
         with self._lock:

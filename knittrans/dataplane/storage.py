@@ -101,6 +101,49 @@ def packed_chunk(chunk: UnitChunk, pool: BufferPool | None = None) -> UnitChunk:
     return replace(chunk, values=tuple(values))
 
 
+class PutRuns:
+    """One put's stored bytes: per field, every payload's new array back to back in one read-only array (ragged
+    fields concatenated along their first axis, fixed ones stacked), so that a share's consecutive rows are one
+    run a reader copies at once (``ShareRuns``). ``arrays`` (one per field, in first-seen order) is the put's
+    source; payload ``i``'s stored field is ``view(name, i)``."""
+
+    def __init__(self, fresh: Sequence[dict[str, np.ndarray]]) -> None:
+        names: dict[str, list[tuple[int, np.ndarray]]] = {}
+        for i, new in enumerate(fresh):
+            for name, arr in new.items():
+                names.setdefault(name, []).append((i, arr))
+        arrays, self._rows = [], {}
+        for col, (name, items) in enumerate(names.items()):
+            parts = [a.reshape(1) if a.ndim == 0 else a for _, a in items]  # a scalar field is a row of one
+            whole = np.concatenate(parts)  # the schema checked one dtype and trailing shape per field
+            whole.flags.writeable = False
+            arrays.append(whole)
+            off = 0
+            for (i, a), part in zip(items, parts):
+                n = part.shape[0]
+                self._rows[(name, i)] = (col, off, off + n, a.shape)
+                off += n
+        self.arrays = tuple(arrays)
+
+    def view(self, name: str, i: int) -> np.ndarray:
+        col, a, b, shape = self._rows[(name, i)]
+        return self.arrays[col][a:b].reshape(shape)
+
+    def where(self, name: str, i: int) -> tuple[int, int, int] | None:
+        """(array, first byte, end byte) of payload ``i``'s field ``name`` (None: not new in this put)."""
+        got = self._rows.get((name, i))
+        if got is None:
+            return None
+        col, a, b, _ = got
+        step = self.arrays[col].strides[0]
+        return col, a * step, b * step
+
+
+def _stored_runs(fresh: Sequence[dict[str, np.ndarray]]) -> PutRuns | None:
+    """The put's runs (``PutRuns``), or None when it adds nothing."""
+    return PutRuns(fresh) if any(fresh) else None
+
+
 _V = TypeVar("_V")
 
 
@@ -166,11 +209,16 @@ class StorageUnit:
                     new[name] = arr
                 fresh.append(new)
             records = []
-            for p, arrs, new in zip(payloads, checked, fresh):
+            runs = _stored_runs(fresh) if copy else None
+            for i, (p, arrs, new) in enumerate(zip(payloads, checked, fresh)):
                 # Copy on put: a producer that reuses or edits its buffer after put() cannot change stored bytes
-                # (one copy per field; the stored copy is read-only, so no reader can edit it in place either).
-                stored = {name: arr if not (copy or arr.flags.writeable) else stored_copy(arr)
-                          for name, arr in new.items()}
+                # (one copy per field, into the put's runs; the stored copy is read-only, so no reader can edit it
+                # in place either).
+                if runs is not None:
+                    stored = {name: runs.view(name, i) for name in new}
+                else:
+                    stored = {name: arr if not (copy or arr.flags.writeable) else stored_copy(arr)
+                              for name, arr in new.items()}
                 self._data.setdefault(p.traj_id, {}).update(stored)  # ``new`` holds only fields not yet stored
                 self._nbytes += sum(int(a.nbytes) for a in stored.values())
                 tok = arrs.get(self.schema.token_field)
@@ -183,7 +231,9 @@ class StorageUnit:
                     fields=tuple(FieldMeta(n, int(a.nbytes), int(a.shape[0]) if a.ndim else 1, sums.get(n))
                                  for n, a in arrs.items()),
                     num_tokens=None if tok is None else int(tok.shape[0]), meta=p.meta,
-                    repeated=tuple(n for n in arrs if n not in new)))
+                    repeated=tuple(n for n in arrs if n not in new),
+                    source=None if runs is None else runs.arrays,
+                    where=() if runs is None else tuple(runs.where(n, i) for n in arrs)))
         return records
 
     BOUNDED_GET: ClassVar[bool] = True

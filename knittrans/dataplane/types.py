@@ -243,6 +243,14 @@ class PutRecord:
     repeated: tuple[str, ...] = ()
     """Fields the unit already held with identical bytes (a retried put): the controller registers them only if
     the first reply was lost, and a rollback never drops them (they belong to the first put)."""
+    source: object = None
+    """Where the unit keeps this put's bytes, as a reader resolves it: the put's stored arrays (in process: a tuple
+    of contiguous arrays, one per field) or the Ray object-store object holding them (an ``ObjectRef`` owned by the
+    unit). Every record of one put names the same source. None: the unit keeps no readable source (a small Ray put,
+    a multimodal or fault-injecting unit): its rows are read through the unit (``UnitAPI.get``)."""
+    where: tuple[tuple[int, int, int] | None, ...] = ()
+    """Per entry of ``fields``: (array of ``source``, first byte, end byte) of that field's row, or None where the
+    field is not a plain run of ``source`` (then the share is read through the unit). () when ``source`` is None."""
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -284,6 +292,24 @@ class ShareLocation:
     waited_s: float = 0.0
     """How long ``claim_next`` waited in the controller for the admission (and any re-put) before it claimed: time
     the fetch spent waiting for data to exist, not moving it (``FetchTiming`` keeps the two apart)."""
+    runs: "ShareRuns | None" = None
+    """The share's bytes as runs of its units' sources (``ShareRuns``): the rank resolves the sources once and copies
+    each run into its buffer, no unit call. None: some row has no readable source; the rank reads through the units."""
+
+
+@dataclass(frozen=True)
+class ShareRuns:
+    """Where a share's bytes lie, as a reader copies them: ``sources[s]`` is a put's source (``PutRecord.source``:
+    arrays in process, an ``ObjectRef`` on Ray) held by unit ``source_units[s]``; per requested field ``f``,
+    ``runs[f]`` is an ``int64`` array of rows (source, array, first byte, end byte), consecutive rows of the share
+    that lie back to back in one array merged into one run, in the share's order; ``nbytes[f]`` is each
+    trajectory's byte count of that field (its row count follows from the schema: what ``cu_seqlens`` is built
+    from). The share of field ``f`` is the concatenation of its runs, in the schema's dtype."""
+
+    sources: tuple
+    source_units: tuple[str, ...]
+    runs: tuple[np.ndarray, ...]
+    nbytes: tuple[np.ndarray, ...]
 
 
 @dataclass(frozen=True)

@@ -254,8 +254,9 @@ class MMStorageUnit(StorageUnit):
                 g = p.group if isinstance(p, MMPayload) and p.group >= 0 else getattr(p.meta, "group_id", None)
                 if g is not None and g >= 0:
                     self._group.setdefault(p.traj_id, int(g))
-        return [MMPutRecord(**{f.name: getattr(r, f.name) for f in dc_fields(r)}, group=groups.get(r.traj_id),
-                            images=images.get(r.traj_id)) for r in records]
+        # Multimodal shares are read through the units (each unit names the images it ships): no direct sources.
+        return [MMPutRecord(**{f.name: getattr(r, f.name) for f in dc_fields(r) if f.name not in ("source", "where")},
+                            group=groups.get(r.traj_id), images=images.get(r.traj_id)) for r in records]
 
     def _image_key(self, ref: EncodingRef, grid: tuple[int, int, int]) -> ImageKey:
         return ImageKey(self.store.strong_digest(ref), ref.key.dtype, ref.key.shape, grid)

@@ -39,6 +39,7 @@ def test_chaos_catches_a_store_that_keeps_the_producers_buffer(monkeypatch):
     import knittrans.dataplane.storage as storage
 
     monkeypatch.setattr(storage, "stored_copy", lambda a: a)  # what storage.put did before copy-on-put
+    monkeypatch.setattr(storage, "_stored_runs", lambda fresh: None)  # ... instead of copying into the put's runs
     try:
         r = _run(2, n=900)
     except RuntimeError as e:

@@ -146,10 +146,30 @@ def test_unit_chunk_rows_reads_both_forms_alike():
     assert [r.tolist() for r in fixed.rows(0)] == [[0, 1, 2], [3, 4, 5]]
 
 
-def test_a_plain_unit_read_on_the_rank_thread_still_has_its_deadline():
-    """Plain units are read inline (no reader thread): a unit whose lock never frees still raises
-    ``ReadTimeoutError`` at the deadline, the claim undone, and the retry gets the share."""
+def test_a_direct_read_never_waits_on_a_unit():
+    """A share whose rows lie in their units' sources is read from the sources, not through the units: a unit
+    whose lock never frees does not hold up the read (the bytes are the put's)."""
     dp, batch = _loaded(PrepareConfig())
+    dp.read_timeout_s = 0.2
+    c = dp.client()
+    mb = batch.minibatches(2)[0]
+    c.admit(mb)
+    locks = [u._lock for u in dp.units.values()]  # noqa: SLF001 - a unit stuck holding its lock
+    for lock in locks:
+        lock.acquire()
+    try:
+        share = c.fetch(mb, 0)
+    finally:
+        for lock in locks:
+            lock.release()
+    assert share.traj_ids and share.nbytes > 0
+
+
+def test_a_plain_unit_read_on_the_rank_thread_still_has_its_deadline():
+    """Plain units are read inline (no reader thread) when a share goes through its units: a unit whose lock
+    never frees still raises ``ReadTimeoutError`` at the deadline, the claim undone, and the retry gets the
+    share."""
+    dp, batch = _loaded(PrepareConfig(direct_reads=False))
     dp.read_timeout_s = 0.2
     c = dp.client()
     mb = batch.minibatches(2)[0]

@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 
+from knittrans.dataplane.client import PrepareConfig
 from knittrans.dataplane.types import ReadTimeoutError
 from knittrans.handoff import Handoff, HandoffConfig, Rollout
 from knittrans.types import BatchPlan, GroupSpec, Trajectory
@@ -20,8 +21,9 @@ def _rollout(t: int) -> Rollout:
 
 
 def test_a_hung_unit_read_fails_with_the_typed_timeout_at_the_configured_deadline():
+    # Reads through the unit (a direct read from the put's sources never waits on the unit: test_dataplane_buffers)
     cfg = HandoffConfig.grpo(prompts_per_batch=2, group_size=2, num_minibatches=1, max_response_len=8,
-                             read_timeout_s=0.3)
+                             read_timeout_s=0.3, prepare=PrepareConfig(direct_reads=False))
     h = Handoff(cfg)
     assert h.plane.read_timeout_s == 0.3
     unit = h.plane.units["u0"]

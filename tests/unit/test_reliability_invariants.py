@@ -11,7 +11,7 @@ import torch
 
 from knittrans.dataplane import (DuplicatePutError, PrefetchConfig, Prefetcher, TrajectoryPayload,
                                  build_inprocess)
-from knittrans.dataplane.client import cu_seqlens_int32
+from knittrans.dataplane.client import PrepareConfig, cu_seqlens_int32
 from knittrans.dataplane.faults import FaultPlan, ProducerBuffer, UnitLoss
 from knittrans.dataplane.types import MiniBatchKey, ShareLocation, ShareTooLargeError
 from knittrans.types import MiniBatch
@@ -355,7 +355,9 @@ def test_a_unit_hung_in_get_cannot_block_an_in_process_fetch_or_prefetcher_close
     ends with that error, so ``close`` returns; once the unit answers, the same share is read whole."""
     from knittrans.dataplane.types import ReadTimeoutError
 
-    dp = build_inprocess(TEXT_SCHEMA, {"u0": "n0"}, ("n0",), read_timeout_s=0.2)
+    # reads through the unit (a direct read from the put's sources never waits on it: test_dataplane_buffers)
+    dp = build_inprocess(TEXT_SCHEMA, {"u0": "n0"}, ("n0",), read_timeout_s=0.2,
+                         prepare=PrepareConfig(direct_reads=False))
     dp.client("u0").put([_traj(0), _traj(1)])
     dp.client().admit(MiniBatch(0, 0, (0, 1), (0,), 0))
     hung = dp.units["u0"] = _HangingUnit(dp.units["u0"])
