@@ -296,9 +296,19 @@ class Consumer:
         """The prefetcher's per-share timings (``knittrans.dataplane.prefetch.PrefetchEvent``)."""
         return [] if self._prefetcher is None else self._prefetcher.events
 
+    def flush(self, timeout: float | None = 60.0) -> None:
+        """Wait until this rank's acks reached the controller (on Ray they are sent asynchronously, off the
+        trainer's critical path); re-raises the first ack that failed."""
+        if self._client is not None:
+            self._client.flush_acks(timeout)
+
     def close(self) -> None:
+        """Stop prefetching (shares claimed and not handed out are given back) and send the queued acks
+        (re-raises one that failed)."""
         if self._prefetcher is not None:
             self._prefetcher.close()
+        if self._client is not None:
+            self._client.close()
 
 
 class Handoff:
@@ -355,15 +365,22 @@ class Handoff:
 
     @property
     def version(self) -> int:
-        """Optimizer steps every rank has acknowledged."""
+        """Optimizer steps every rank has acknowledged (the acks of this process's consumers sent first)."""
+        self._flush_consumers()
         return self._controller.version
 
     def wait_version(self, version: int, timeout: float | None = None) -> int:
+        self._flush_consumers()
         return self._controller.wait_version(version, timeout)
+
+    def _flush_consumers(self) -> None:
+        for c in self._consumers:
+            c.flush()
 
     def records(self) -> list[HandoffRecord]:
         """Every admitted trajectory: ``v_gen``, ``v_train`` (its mini-batch's step), completion and admission
         times (seconds since the handoff started)."""
+        self._flush_consumers()
         return self._controller.records()
 
     def staleness(self, released_only: bool = True) -> StalenessStats:
@@ -382,9 +399,11 @@ class Handoff:
 
     def close(self) -> None:
         """Stop this process's consumers and the data plane (waiters wake with ``DataPlaneClosedError``)."""
-        for c in self._consumers:
-            c.close()
-        self.plane.close()
+        try:
+            for c in self._consumers:
+                c.close()
+        finally:
+            self.plane.close()
 
     def __enter__(self) -> "Handoff":
         return self

@@ -215,10 +215,8 @@ def trial_row(cfg: TransferConfig, rec: PassRecord, memcpy: float, distinct_pixe
                                         and r.live_bytes_after is not None), default=None))
     common["get_gbps"] = raw.get_gbps if raw is not None and np.isfinite(raw.get_gbps) else None
     if raw is not None and raw.get_parts:  # the gets' profile: claim, read, pack (+ its CPU) seconds, summed
-        sums = [sum(p[i] for p in raw.get_parts) for i in range(5)]
-        common.update(zip(("claim_s", "read_s", "pack_s", "pack_cpu_s"),
-                          (s if np.isfinite(s) else None for s in sums[:4])))
-        common["map_fallbacks"] = int(sums[4])
+        sums = [sum(p[i] for p in raw.get_parts) for i in range(4)]
+        common.update(zip(("claim_s", "read_s", "pack_s", "pack_cpu_s"), (s if np.isfinite(s) else None for s in sums)))
     if Workload(cfg.workload) is Workload.MULTIMODAL:
         return MMTransferTrial(**common, group_size=cfg.multimodal.group_size, pixel_bytes=last.pixel_nbytes,
                                distinct_pixel_bytes=distinct_pixel_bytes)

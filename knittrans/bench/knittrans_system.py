@@ -70,8 +70,7 @@ class ConsumerSource:
         self._held[step] = share
         if trace.active() is not None:
             self._turn = (time.perf_counter(), f"r{share.rank}/s{share.seq}")
-        parts = (timing.claim_s, timing.read_s, timing.pack_s, timing.pack_cpu_s,
-                 timing.map_fallbacks) if timing is not None else ()
+        parts = (timing.claim_s, timing.read_s, timing.pack_s, timing.pack_cpu_s) if timing is not None else ()
         return Obtained(share.nbytes, share.num_tokens, get_s, int(getattr(share, "pixel_nbytes", 0)), parts)
 
     def release(self, step: int) -> None:

@@ -107,9 +107,9 @@ def finish_raw(traces: Sequence[RankTrace], t0: float, bytes_moved: int | None =
 
 
 def _parts(parts: list[tuple[float, ...]]) -> tuple[tuple[float, ...], ...]:
-    """Every get's (claim, read, pack, pack CPU, map fallbacks), or () unless every get recorded them (so they
-    align with ``get_s``)."""
-    return tuple(parts) if parts and all(len(p) == 5 for p in parts) else ()
+    """Every get's (claim, read, pack, pack CPU), or () unless every get recorded them (so they align with
+    ``get_s``)."""
+    return tuple(parts) if parts and all(len(p) == 4 for p in parts) else ()
 
 
 def finish_steady(traces: Sequence[RankTrace], t0: Mapping[int, float], warmup: int,

@@ -206,9 +206,8 @@ class PassResult:
     get_nbytes: tuple[int, ...] = ()
     """Raw pass: the payload bytes of each get in ``get_s`` (same order); () where not recorded."""
     get_parts: tuple[tuple[float, ...], ...] = ()
-    """Raw pass: each get's (claim, read, pack, pack CPU) seconds and its map fallbacks (a count), same order as
-    ``get_s``, where the system records them (KnitTrans: ``client.FetchTiming``); () otherwise. The profile behind
-    a missed bandwidth goal."""
+    """Raw pass: each get's (claim, read, pack, pack CPU) seconds, same order as ``get_s``, where the system
+    records them (KnitTrans: ``client.FetchTiming``); () otherwise. The profile behind a missed bandwidth goal."""
     bytes_moved: int = 0
     pixel_nbytes: int = 0
     """Multimodal: pixel_values bytes delivered to the ranks per batch (KnitTrans: each distinct image once per

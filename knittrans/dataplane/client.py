@@ -126,9 +126,6 @@ class FetchTiming:
     pack_cpu_s: float = math.nan
     """The CPU time the packing thread spent in ``pack_s`` (``time.thread_time``): far below ``pack_s`` when the
     pack waited for a core or the GIL (other threads and processes busy on the same cores)."""
-    map_fallbacks: int = 0
-    """Unit reads of this fetch whose map of the unit's objects did not complete in time and were read again as
-    packed bytes (``ray_transport.MAP_TIMEOUT_S``): each one's wait is inside ``read_s``."""
 
 
 _INT32_MAX = 2**31 - 1
@@ -308,6 +305,14 @@ class DataPlaneClient:
     checksums: bool = False
     """Attach a CRC-32 per field to every put and verify every fetched field against it (``faults``): a corrupted
     message raises ``CorruptPayloadError`` instead of reaching training. Costs one pass over the bytes per side."""
+    remote_controller: bool = False
+    """The controller is another process (Ray): a rank's claims come by long poll (``feed``: ``ShareFeed``) and its
+    acks are batched and sent asynchronously (``AckSender``; ``flush_acks`` waits for them), so neither round trip
+    is on the rank's critical path. In process both are plain calls."""
+    _acks: object = field(default=None, init=False, repr=False)  # the AckSender, created on first ack
+    _held: dict = field(default_factory=dict, init=False, repr=False)
+    """(mini-batch, rank) -> the sources a delivered share was read from, kept until its ack: a rank that reads its
+    next share from the same object borrows it without ever letting go of it in between."""
 
     # -- rollout side ----------------------------------------------------------------------------------------
 
@@ -391,9 +396,46 @@ class DataPlaneClient:
 
     def ack(self, share: PackedShare) -> None:
         """Acknowledge a share fetched with ``ack=False`` (the rank has stepped on it); fully consumed
-        trajectories are then dropped at their units."""
-        for unit_id, ts in self.controller.ack(share.key, share.rank, tuple(share.fields), _fence(share.epoch)):
+        trajectories are then dropped at their units. With a remote controller the ack is queued and sent off the
+        rank's critical path (``AckSender``): a failure of an earlier ack is raised here or by ``flush_acks``."""
+        self._ack(share.key, share.rank, tuple(share.fields), _fence(share.epoch))
+
+    def _ack(self, key: MiniBatchKey, rank: int, fields: tuple[str, ...], epoch: int | None) -> None:
+        self._held.pop((key, rank), None)
+        if self.remote_controller:
+            if self._acks is None:
+                from knittrans.dataplane.feed import AckSender
+
+                self._acks = AckSender(self.controller)
+            self._acks.send(key, rank, fields, epoch)
+            return
+        for unit_id, ts in self.controller.ack(key, rank, fields, epoch):
             self.units[unit_id].drop(ts)
+
+    def flush_acks(self, timeout: float | None = 60.0) -> None:
+        """Wait until every ack this client sent is applied by the controller; re-raise the first that failed
+        (a no-op in process, where acks are synchronous). ``TimeoutError`` after ``timeout`` seconds."""
+        if self._acks is not None:
+            self._acks.flush(timeout)
+
+    def close(self) -> None:
+        """Send the queued acks and stop this client's sender thread (re-raises a failed ack)."""
+        if self._acks is not None:
+            self._acks.close()
+
+    def feed(self, rank: int, fields: Sequence[str] | None, start_seq: int, count: int | None, window: int,
+             epoch: int | None = None):  # noqa: ANN201 - a started ShareFeed
+        """Rank ``rank``'s claims by long poll (``feed.ShareFeed``): take each share's location with ``get(seq)``,
+        then ``deliver`` it."""
+        from knittrans.dataplane.feed import ShareFeed
+
+        names = tuple(fields) if fields is not None else self.schema.names
+        return ShareFeed(self.controller, rank, names, start_seq, count, window, epoch).start()
+
+    def deliver(self, loc: ShareLocation, claim_s: float = 0.0, ack: bool = False) -> PackedShare:
+        """Read, verify and pack a share claimed through a ``feed`` (``claim_s``: the time its caller spent on the
+        control path for it, for the fetch's timing)."""
+        return self._deliver(loc, time.perf_counter(), ack, claim_s)
 
     def _pack(self, loc: ShareLocation, chunks: Sequence[UnitChunk]) -> PackedShare:
         """Turn the units' chunks into the rank's share (``knittrans.mmdedup.plane.MMClient`` adds images)."""
@@ -405,7 +447,7 @@ class DataPlaneClient:
             self.pool = process_pool(self.prepare.pool_buffers)
         return self.pool
 
-    def _deliver(self, loc: ShareLocation, t0: float, ack: bool = True) -> PackedShare:
+    def _deliver(self, loc: ShareLocation, t0: float, ack: bool = True, claim_s: float | None = None) -> PackedShare:
         """Read a claimed share, verify and pack it, ack it (after which fully consumed trajectories are dropped at
         their units). A share with runs (``loc.runs``) is read straight from its sources, no unit call; any other
         through its units. A failed read or check undoes the claim before re-raising."""
@@ -440,16 +482,19 @@ class DataPlaneClient:
             self.controller.unclaim(loc.key, loc.rank, loc.fields)
             raise
         t3, c3 = time.perf_counter(), time.thread_time()
-        wait = min(loc.waited_s, t1 - t0)  # measured inside the claim's round trip, so never longer than it
-        fallbacks = self.getter.thread_fallbacks() if hasattr(self.getter, "thread_fallbacks") else 0
-        self._timings[threading.get_ident()] = FetchTiming(t1 - t0 - wait, t2 - t1, t3 - t2, wait, c3 - c2,
-                                                           fallbacks)
+        if claim_s is None:  # claimed by this call: its round trip, less the controller's wait for admission
+            wait = min(loc.waited_s, t1 - t0)  # measured inside the claim's round trip, so never longer than it
+            claim_s = t1 - t0 - wait
+        else:
+            wait = 0.0
+        self._timings[threading.get_ident()] = FetchTiming(claim_s, t2 - t1, t3 - t2, wait, c3 - c2)
         if rec is not None:
-            rec.add(trace.CpuEvent("claim", "", t0, t1, key))
+            rec.add(trace.CpuEvent("claim", "", t1 - claim_s, t1, key))
             rec.add(trace.CpuEvent("pack", "", t2, t3, key))
+        if direct and self.remote_controller and not ack:
+            self._held[(loc.key, loc.rank)] = loc.runs.sources  # until its ack (see ``_held``)
         if ack:
-            for unit_id, ts in self.controller.ack(loc.key, loc.rank, loc.fields, _fence(loc.epoch)):
-                self.units[unit_id].drop(ts)
+            self._ack(loc.key, loc.rank, loc.fields, _fence(loc.epoch))
         return share
 
     def _resolve(self, runs: ShareRuns) -> Sequence[Sequence[np.ndarray]]:

@@ -104,9 +104,15 @@ class Prefetcher:
         self._started = False
         self._finished = False
         self._handed: PackedShare | None = None  # handed out, not acked yet (ack_on_next)
+        self._feed = None  # the rank's long-poll claims (``feed.ShareFeed``) when its controller is remote
 
     def start(self) -> "Prefetcher":
         if not self._started:
+            if self.client.remote_controller and self._feed is None:
+                # claims by long poll, up to ``depth + 1`` ahead of the workers (metadata only: the bytes are read
+                # by the workers, within their own bound)
+                self._feed = self.client.feed(self.rank, self.fields, self.start_seq, self.count,
+                                              self.config.depth + 1, self._rank_epoch())
             # started only once the threads run: a close() from another thread in between must not join a thread
             # that is not started yet (RuntimeError); the workers check the stop flag before their first claim
             for th in self._threads:
@@ -180,6 +186,9 @@ class Prefetcher:
                 raise TimeoutError(f"rank {self.rank}: no mini-batch #{seq} admitted within "
                                    f"{self.config.admit_timeout_s} s")
             try:
+                if self._feed is not None:
+                    loc, claim_s = self._feed.get(seq, timeout=left)
+                    return self.client.deliver(loc, claim_s, ack=self.config.ack_on_fetch)
                 return self.client.fetch_next(seq, self.rank, self.fields, timeout=left,
                                               ack=self.config.ack_on_fetch, epoch=epoch)
             except TimeoutError:
@@ -198,6 +207,7 @@ class Prefetcher:
             self._slots.release()  # the trainer holds it now: a worker may claim one more
         if isinstance(item, _End):
             self._finished = True
+            self.client.flush_acks()  # the stream ended: nothing is left to overlap the acks with
             raise StopIteration
         if isinstance(item, _Failure):
             self._finished = True
@@ -241,11 +251,14 @@ class Prefetcher:
             # (a loop left by an exception -- a crash in the step -- never asks again: its share stays unacked)
 
     def close(self) -> None:
-        """Stop the workers after their current fetches (a share already claimed is dropped with them)."""
+        """Stop the workers after their current fetches (a share already claimed is dropped with them; one the
+        feed claimed and no worker took is given back)."""
         self._stop.set()
         with self._cv:
             self._ready.clear()
             self._cv.notify_all()
+        if self._feed is not None:
+            self._feed.close()
         if self._started:
             for th in self._threads:
                 if th.is_alive() or th.ident is not None:

@@ -27,6 +27,7 @@ other node string is a logical label (one machine, several "nodes"), which is ho
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -48,8 +49,8 @@ from knittrans.dataplane.buffers import BufferPool
 from knittrans.dataplane.recovery import CompleteEvent, ControllerJournal, JournalState, RecoveryError, Released
 from knittrans.dataplane.storage import StorageUnit, UnitStats, packed_chunk, pop_fields
 from knittrans.dataplane.types import (AdmittedMiniBatch, ControllerLostError, DataPlaneClosedError, DataPlaneError,
-                                       MiniBatchKey, PutRecord, ReadTimeoutError, ShareLocation, TrajectoryPayload,
-                                       TrajectorySchema, UnitChunk, UnitLostError)
+                                       MiniBatchKey, PutRecord, ReadTimeoutError, ShareLocation, ShareRuns,
+                                       TrajectoryPayload, TrajectorySchema, UnitChunk, UnitLostError)
 from knittrans.types import BatchPlan, MiniBatch
 
 if TYPE_CHECKING:
@@ -65,39 +66,27 @@ STORE_MIN_BYTES = 100 * 1024
 ``max_direct_call_object_size``) and are copied into the unit's memory."""
 
 
-@dataclass(frozen=True)
-class StoredRow:
-    """Where a stored row lives in the unit's objects: object ``key``, array ``col`` of it, rows ``start:stop``;
-    ``view`` is the very array the unit stores (a row whose stored array is another -- rewritten, corrupted by an
-    injected fault -- is not read from the object)."""
-
-    key: int
-    col: int
-    start: int
-    stop: int
-    view: object
-
-
 class StoredObjects:
     """A unit actor's object-store objects: one per put that travelled as an object (``UnitHost.put_stored``),
-    owned by the unit, kept while any row of it is stored. Thread-safe."""
+    owned by the unit and kept while any row of it is stored (the controller and the readers hold their own
+    references: Ray frees the object once every holder let go). Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._refs: dict[int, list] = {}  # key -> [ObjectRef, rows still stored]
-        self._rows: dict[int, dict[str, StoredRow]] = {}  # traj_id -> field -> where it lives
+        self._rows: dict[int, dict[str, int]] = {}  # traj_id -> field -> key of the object it lies in
         self._next = 0
 
-    def add(self, ref: "ray.ObjectRef", rows: Sequence[tuple[int, str, int, int, int, object]]) -> None:
-        """Rows (traj_id, field, col, start, stop, stored view) newly stored from ``ref``'s arrays."""
+    def add(self, ref: "ray.ObjectRef", rows: Sequence[tuple[int, str]]) -> None:
+        """Rows (traj_id, field) newly stored from ``ref``'s arrays."""
         with self._lock:
             key, self._next = self._next, self._next + 1
-            for t, name, col, a, b, view in rows:
+            for t, name in rows:
                 held = self._rows.setdefault(t, {})
                 old = held.get(name)
                 if old is not None:
-                    self._release(old.key)
-                held[name] = StoredRow(key, col, a, b, view)
+                    self._release(old)
+                held[name] = key
             if rows:
                 self._refs[key] = [ref, len(rows)]
 
@@ -106,12 +95,12 @@ class StoredObjects:
         if entry is not None:
             entry[1] -= 1
             if entry[1] <= 0:
-                del self._refs[key]  # the unit's last reference: Ray frees the object once no reader holds it
+                del self._refs[key]  # the unit's last reference: Ray frees the object once no other holder has it
 
     def drop(self, traj_ids: Sequence[int], fields: Sequence[str] | None) -> None:
         with self._lock:
-            for _, _, row in pop_fields(self._rows, traj_ids, fields):
-                self._release(row.key)
+            for _, _, key in pop_fields(self._rows, traj_ids, fields):
+                self._release(key)
 
     def clear(self) -> None:
         with self._lock:
@@ -121,51 +110,6 @@ class StoredObjects:
     @property
     def num_objects(self) -> int:
         return len(self._refs)
-
-    def locate(self, chunk: UnitChunk) -> "StoredChunk | None":
-        """``chunk`` (the unit's rows form, from its ``get``) as object locations, or None unless every row is a
-        stored view of one of these objects."""
-        refs: list = []
-        index: dict[int, int] = {}
-        where = []
-        with self._lock:
-            for f, name in enumerate(chunk.fields):
-                rows = chunk.values[f]
-                if not isinstance(rows, tuple):
-                    return None
-                w = np.empty((len(rows), 4), dtype=np.int64)
-                for i, (t, row) in enumerate(zip(chunk.traj_ids, rows)):
-                    loc = self._rows.get(t, {}).get(name)
-                    if loc is None or loc.view is not row:
-                        return None
-                    o = index.get(loc.key)
-                    if o is None:
-                        o = index[loc.key] = len(refs)
-                        refs.append(self._refs[loc.key][0])
-                    w[i] = (o, loc.col, loc.start, loc.stop)
-                where.append(w)
-        return StoredChunk(chunk.unit_id, chunk.traj_ids, chunk.fields, tuple(refs), tuple(where), chunk.lengths)
-
-
-@dataclass(frozen=True)
-class StoredChunk:
-    """A unit's answer to a reader on its own node: no bytes, only where each row lives in the unit's objects
-    (``where[f][i]`` = object index into ``refs``, array, start, stop). The reader maps the objects (zero-copy on
-    the same node) and packs straight from them: one copy per byte from the put to the packed share."""
-
-    unit_id: str
-    traj_ids: tuple[int, ...]
-    fields: tuple[str, ...]
-    refs: tuple
-    where: tuple[np.ndarray, ...]
-    lengths: tuple[np.ndarray | None, ...]
-
-    def resolve(self, objects: Sequence[Sequence[np.ndarray]]) -> UnitChunk:
-        """The rows form, given ``objects[o]`` = ``ray.get(refs[o])`` (views, no copy)."""
-        values = []
-        for w in self.where:
-            values.append(tuple(objects[o][c][a:b] for o, c, a, b in w.tolist()))
-        return UnitChunk(self.unit_id, self.traj_ids, self.fields, tuple(values), self.lengths)
 
 
 def _node_id() -> str:
@@ -184,6 +128,7 @@ class UnitHost:
             from knittrans.dataplane.faults import FaultyUnit
 
             self.unit = FaultyUnit(self.unit, faults)
+        self._direct = not faults  # a fault-injecting unit's rows are read through its get (where its faults fire)
         freeze_startup_heap()
 
     STORED_PUTS: ClassVar[bool] = True
@@ -191,32 +136,45 @@ class UnitHost:
     takes no ``copy`` argument sets it False: it copies the rows, and the object is freed after the put."""
 
     def put(self, payloads: Sequence[TrajectoryPayload] | WireList) -> WireList:
-        """``StorageUnit.put``; payloads and records travel in their compact wire form (``wire``)."""
-        return WireList(self.unit.put(unwrap(payloads)))
+        """``StorageUnit.put`` of a small put, copied into this unit's memory: its rows are read through the unit
+        (``get``), so the records name no source (the unit's arrays never travel to the controller). Payloads and
+        records travel in their compact wire form (``wire``)."""
+        return WireList([dataclasses.replace(r, source=None, where=()) if r.source is not None else r
+                         for r in self.unit.put(unwrap(payloads))])
 
     def put_stored(self, wire: tuple, arrays: tuple[np.ndarray, ...]) -> WireList:
-        """A large put: its arrays (``arrays``, a few contiguous ones: ``wire.split_arrays``) and the rest
-        (``wire``). The unit's stored copy is one object-store object of its own (``ray.put``: owned by this
-        actor, so it outlives the producer; the same one copy per byte as ``StorageUnit``'s copy on put), and
-        the rows it stores are that object's read-only views. It keeps the object while any of its rows is
-        stored, so a reader on this node maps the rows without a copy (``locate``)."""
+        """A large put: its arrays (``arrays``, a few contiguous ones, one per field: ``wire.split_arrays``) and the
+        rest (``wire``). The unit's stored copy is one object-store object of its own (``ray.put``: owned by this
+        actor, so it outlives the producer; the same one copy per byte as ``StorageUnit``'s copy on put), and the
+        rows it stores are that object's read-only views. Each record names the object (``PutRecord.source``) and
+        where its fields lie in it (``where``), so that the controller can hand a rank its share as runs of the
+        object: the rank reads them with one ``ray.get``, no call to this unit. The unit keeps the object while any
+        of its rows is stored."""
         if not self.STORED_PUTS:
-            return WireList(self.unit.put(from_wire(join_arrays(wire, arrays))))
+            return self.put(from_wire(join_arrays(wire, arrays)))
         ref = ray.put(tuple(arrays))
-        payloads = from_wire(join_arrays(wire, ray.get(ref)))
+        stored = ray.get(ref)
+        payloads = from_wire(join_arrays(wire, stored))
         records = self.unit.put(payloads, copy=False)
         layout = array_layout(wire, "tensors")
-        rows = []
-        if layout is not None:
-            keys, first, offsets = layout
-            col = {k: j for j, k in enumerate(keys)}
-            for i, (p, r) in enumerate(zip(payloads, records)):
-                for name, view in p.tensors.items():
-                    j = col.get(name)
-                    if j is not None and name not in r.repeated and not view.flags.writeable:
-                        rows.append((p.traj_id, name, first + j, int(offsets[j][i]), int(offsets[j][i + 1]), view))
+        rows, out = [], []
+        col = {} if layout is None else {k: layout[1] + j for j, k in enumerate(layout[0])}
+        for i, (p, r) in enumerate(zip(payloads, records)):
+            where = []
+            for fm in r.fields:
+                c = col.get(fm.name)
+                view = p.tensors[fm.name]
+                if c is None or fm.name in r.repeated or view.flags.writeable:
+                    where.append(None)  # not a stored view of the object (a repeat, or copied by the unit)
+                    continue
+                step = stored[c].strides[0] if stored[c].ndim else stored[c].itemsize
+                j = c - layout[1]
+                where.append((c, int(layout[2][j][i]) * step, int(layout[2][j][i + 1]) * step))
+                rows.append((p.traj_id, fm.name))
+            located = self._direct and any(w is not None for w in where)
+            out.append(dataclasses.replace(r, source=ref, where=tuple(where)) if located else r)
         self._objects().add(ref, rows)
-        return WireList(records)
+        return WireList(out)
 
     def _objects(self) -> StoredObjects:
         if not hasattr(self, "_stored"):
@@ -225,35 +183,15 @@ class UnitHost:
 
     def get(self, traj_ids: Sequence[int], fields: Sequence[str]) -> UnitChunk:
         """The unit's rows packed into one of this actor's reused buffers (``storage.packed_chunk``): Ray then
-        copies a few contiguous arrays into the object store, and the rank maps them without a copy."""
+        copies a few contiguous arrays into the object store, and the rank maps them without a copy. The read path
+        of a share whose rows have no direct source (a small put, a multimodal or fault-injecting unit, a
+        trajectory restored after a controller restart)."""
+        self._gets = getattr(self, "_gets", 0) + 1  # a racy count under concurrent reads only loses a count
         return self._packed(self.unit.get(traj_ids, fields))
 
-    def locate(self, traj_ids: Sequence[int], fields: Sequence[str], reader_node: str) -> "UnitChunk | StoredChunk":
-        """A get for a reader on ``reader_node``: where the rows live in this unit's objects (``StoredChunk``)
-        when the reader shares this node and every row is a stored object view; otherwise ``get``'s packed
-        rows (another node pulls only the share's bytes, not whole put objects)."""
-        chunk = self.unit.get(traj_ids, fields)
-        if reader_node == self._node():
-            stored = self._objects().locate(chunk)
-            if stored is not None:
-                self._count(0)
-                return stored
-        self._count(1)
-        return self._packed(chunk)
-
-    def _count(self, i: int) -> None:
-        if not hasattr(self, "_reads"):
-            self._reads = [0, 0]
-        self._reads[i] += 1  # a racy increment under concurrent reads only loses a count, never data
-
-    def read_counts(self) -> tuple[int, int]:
-        """Reads answered so far by ``locate``: (as object locations, as packed bytes)."""
-        return tuple(getattr(self, "_reads", (0, 0)))  # type: ignore[return-value]
-
-    def _node(self) -> str:
-        if not hasattr(self, "_node_id"):
-            self._node_id = _node_id()
-        return self._node_id
+    def get_count(self) -> int:
+        """Reads this unit answered (``get``): none for shares read straight from the unit's objects."""
+        return getattr(self, "_gets", 0)
 
     def _packed(self, chunk: UnitChunk) -> UnitChunk:
         if not hasattr(self, "_pool"):
@@ -452,8 +390,17 @@ class ControllerHost:
                    epoch: int | None = None) -> ShareLocation:
         return self.ctrl.claim_next(seq, rank, fields, timeout, epoch)
 
+    def claim_many(self, seq: int, rank: int, fields: Sequence[str], limit: int, timeout: float | None = None,
+                   epoch: int | None = None) -> tuple[ShareLocation, ...]:
+        return self.ctrl.claim_many(seq, rank, fields, limit, timeout, epoch)
+
     def rank_epoch(self, rank: int) -> int:
         return self.ctrl.rank_epoch(rank)
+
+    def ack_many(self, acks: Sequence[tuple[MiniBatchKey, int, tuple[str, ...], int | None]]) -> None:
+        """A rank's batched acks (``feed.AckSender``), applied in order as ``ack`` (the first failure raises)."""
+        for key, rank, fields, epoch in acks:
+            self.ack(key, rank, fields, epoch)
 
     def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str], epoch: int | None = None) -> None:
         """Record the ack and, when it completes the mini-batch, tell the units to drop it (from here, so the
@@ -584,8 +531,17 @@ class RayControllerProxy:
                    epoch: int | None = None) -> ShareLocation:
         return _call(self.actor.claim_next.remote(seq, rank, tuple(fields), timeout, epoch))
 
+    def claim_many(self, seq: int, rank: int, fields: Sequence[str], limit: int, timeout: float | None = None,
+                   epoch: int | None = None) -> tuple[ShareLocation, ...]:
+        return _call(self.actor.claim_many.remote(seq, rank, tuple(fields), limit, timeout, epoch))
+
     def rank_epoch(self, rank: int) -> int:
         return _call(self.actor.rank_epoch.remote(rank))
+
+    def ack_many(self, acks: Sequence[tuple[MiniBatchKey, int, tuple[str, ...], int | None]]
+                 ) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        _call(self.actor.ack_many.remote(list(acks)))
+        return ()  # the controller actor drops released trajectories at their units itself
 
     def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str],
             epoch: int | None = None) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -671,88 +627,63 @@ class RayUnitProxy:
 
 @dataclass(frozen=True)
 class ParallelRayGetter:
-    """Issues every unit read before waiting on any, so reads from several units overlap."""
+    """Reads a share: ``resolve`` maps its sources (the units' objects) with one ``ray.get``; ``__call__`` reads
+    a share without direct sources through its units, every unit's read issued before waiting on any."""
 
     units: Mapping[str, RayUnitProxy]
     read_timeout_s: float | None = 300.0
-    """Deadline of one share's reads (all units together); past it ``ReadTimeoutError`` and the claim is undone."""
+    """Deadline of one share's reads (all sources or units together); past it ``ReadTimeoutError`` and the claim
+    is undone."""
+
+    def resolve(self, runs: ShareRuns) -> list:
+        """The arrays of every source of the share: one ``ray.get`` of their object refs (zero-copy on the unit's
+        node; from another node Ray's object manager pulls each object once and keeps it in the node's store while
+        referenced). A source whose owner -- its unit -- died raises ``UnitLostError`` naming that unit; past the
+        deadline ``ReadTimeoutError``."""
+        rec = trace.active()
+        t0 = time.perf_counter()
+        try:
+            objects = ray.get(list(runs.sources), timeout=self.read_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise ReadTimeoutError(f"units {sorted(set(runs.source_units))} did not answer a read within "
+                                   f"{self.read_timeout_s} s (the claim is undone; retry, or report the unit "
+                                   f"lost)") from None
+        except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError, ray.exceptions.RayActorError):
+            raise UnitLostError(self._lost_unit(runs), "its stored objects are lost") from None
+        if rec is not None:  # a multi-node run's trace: each object as it arrived here (one get: its span)
+            dst, key, t1 = ray.get_runtime_context().get_node_id(), trace.current_key(), time.perf_counter()
+            for u, arrays in zip(runs.source_units, objects):
+                rec.add(trace.FlowEvent("read", u, dst, sum(int(a.nbytes) for a in arrays), t0, t1, key))
+        return objects
+
+    @staticmethod
+    def _lost_unit(runs: ShareRuns) -> str:
+        """The unit whose objects are gone (the owner of a lost object is its unit)."""
+        for ref, u in zip(runs.sources, runs.source_units):
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.GetTimeoutError:
+                continue
+            except Exception:  # noqa: BLE001 - any failure to map a unit's own object means that unit is gone
+                return u
+        return runs.source_units[0]
 
     def __call__(self, requests: Sequence[tuple[str, tuple[int, ...]]], fields: Sequence[str],
                  unit_args: Mapping[str, tuple] | None = None) -> list[UnitChunk]:
         extra = unit_args or {}
-        _TLS.fallbacks = 0
         t_sub = time.perf_counter()
-        if unit_args is None:  # plain units: a unit on this node answers with where the rows live (no bytes)
-            node = _reader_node()
-            refs = [self.units[u].actor.locate.remote(ts, tuple(fields), node) for u, ts in requests]
-        else:
-            refs = [self.units[u].actor.get.remote(ts, tuple(fields), *extra.get(u, ())) for u, ts in requests]
+        refs = [self.units[u].actor.get.remote(ts, tuple(fields), *extra.get(u, ())) for u, ts in requests]
         deadline = None if self.read_timeout_s is None else time.monotonic() + self.read_timeout_s
         rec = trace.active()
         if rec is not None:  # a multi-node run's trace: split each read into source work, the pull, the unpickle
             pulls, t_local = self._traced_wait(rec, refs, t_sub, deadline)
         chunks = [_call(r, u, _left(deadline)) for r, (u, _) in zip(refs, requests)]
-        if any(isinstance(c, StoredChunk) for c in chunks):
-            chunks = self._resolve(chunks, deadline)
         if rec is not None:
             dst, key, t_end = ray.get_runtime_context().get_node_id(), trace.current_key(), time.perf_counter()
             rec.add(trace.CpuEvent("deser", dst, t_local, t_end, key))
             for (u, _), c, (t0, t1) in zip(requests, chunks, pulls):
                 rec.add(trace.FlowEvent("read", u, dst, trace.payload_nbytes(c), t0, t1, key))
         return chunks
-
-    def _resolve(self, chunks: list, deadline: float | None) -> list[UnitChunk]:
-        """Map the units' objects that ``StoredChunk`` answers name (one ``ray.get`` for all those this process
-        does not hold already, ``MappedObjects``: zero-copy on this node) and read them as rows. A unit that died
-        meanwhile raises ``UnitLostError``; past the deadline, ``ReadTimeoutError``. A map that has not completed
-        after ``MAP_TIMEOUT_S`` reads those rows again as the units' packed bytes (``get``): the unit's stored rows
-        do not depend on the objects' refs, so a map that hangs costs that wait, never the read (counted:
-        ``thread_fallbacks``, then ``FetchTiming.map_fallbacks``)."""
-        stored = [c for c in chunks if isinstance(c, StoredChunk)]
-        refs = [r for c in stored for r in c.refs]
-        timeout = _left(deadline)
-        wait = MAP_TIMEOUT_S if timeout is None else min(timeout, MAP_TIMEOUT_S)
-        try:
-            objects = _MAPPED.get(refs, wait)
-        except ray.exceptions.GetTimeoutError:
-            if timeout is not None and wait >= timeout:
-                raise ReadTimeoutError(f"units {sorted({c.unit_id for c in stored})} did not answer a read within "
-                                       f"{timeout} s (the claim is undone; retry, or report the unit lost)") from None
-            return self._packed_instead(chunks, refs, deadline)
-        except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError, ray.exceptions.RayActorError):
-            lost = []
-            for c in stored:  # which unit's objects are gone (the owner of a lost object is its unit)
-                try:
-                    ray.get(list(c.refs), timeout=0)
-                except ray.exceptions.GetTimeoutError:
-                    continue
-                except Exception:  # noqa: BLE001 - any failure to map a unit's own objects means that unit is gone
-                    lost.append(c.unit_id)
-            raise UnitLostError(lost[0] if lost else stored[0].unit_id, "its stored objects are lost") from None
-        out, i = [], 0
-        for c in chunks:
-            if isinstance(c, StoredChunk):
-                out.append(c.resolve(objects[i:i + len(c.refs)]))
-                i += len(c.refs)
-            else:
-                out.append(c)
-        return out
-
-    def _packed_instead(self, chunks: list, refs: list, deadline: float | None) -> list[UnitChunk]:
-        """The rows of every ``StoredChunk`` in ``chunks`` read again as their units' packed bytes (``get``)."""
-        _TLS.fallbacks = getattr(_TLS, "fallbacks", 0) + 1
-        log.warning("mapping %d object(s) of units %s did not complete within %.1f s; reading those rows as packed "
-                    "bytes instead (objects %s)", len(refs), sorted({c.unit_id for c in chunks
-                                                                    if isinstance(c, StoredChunk)}),
-                    MAP_TIMEOUT_S, [r.hex() for r in refs])
-        again = {i: self.units[c.unit_id].actor.get.remote(c.traj_ids, c.fields) for i, c in enumerate(chunks)
-                 if isinstance(c, StoredChunk)}
-        return [_call(again[i], c.unit_id, _left(deadline)) if i in again else c for i, c in enumerate(chunks)]
-
-    @staticmethod
-    def thread_fallbacks() -> int:
-        """How many of the calling thread's last call's unit reads fell back to packed bytes (``_resolve``)."""
-        return getattr(_TLS, "fallbacks", 0)
 
     @staticmethod
     def _traced_wait(rec: trace.Recorder, refs: list, t_sub: float,
@@ -776,82 +707,9 @@ class ParallelRayGetter:
         return [(t_created, arrived.get(r, now)) for r in refs], max(arrived.values(), default=now)
 
 
-MAP_TIMEOUT_S = 2.0
-"""How long a reader waits to map a unit's objects before it reads those rows as packed bytes instead
-(``ParallelRayGetter._resolve``). A same-node map takes milliseconds; the bound exists because, with Ray 2.60, a
-map of a live object that the reader had just released sometimes never completed (session 25: once in ~100
-CI-size passes, waiting out the 300 s read deadline; session 26: 2 in 40 default text raw passes without
-``MappedObjects``, none in 134 with it)."""
-
-KEEP_MAPPED_S = 2.0
-"""A reader keeps each unit object it mapped (its ref and its arrays) until this long after its last use
-(``MappedObjects``)."""
-
-
-class MappedObjects:
-    """A reader process's mapped unit objects: each kept, with its ObjectRef, until ``KEEP_MAPPED_S`` after its
-    last use, so that reads of the same object moments apart (a rank's shares, its prefetcher's two threads, a
-    read per trajectory) map it once and the process never drops its last reference to an object it is about to
-    borrow again. In session 26 a reader that released and re-borrowed the same two refs hundreds of times a second
-    from two threads (one read per trajectory) had one ``ray.get`` of them never complete while their owner still
-    held them (Ray 2.60). A reader keeps an object alive past its unit's release for at most 2 x ``KEEP_MAPPED_S``
-    (a timer sweeps every ``KEEP_MAPPED_S`` while anything is held)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._held: dict[bytes, list] = {}  # object id -> [ObjectRef, its arrays, last use]
-        self._timer: threading.Timer | None = None
-
-    def get(self, refs: Sequence["ray.ObjectRef"], timeout: float | None) -> list:
-        """``ray.get(refs, timeout=timeout)``, mapping only the objects not held."""
-        with self._lock:
-            missing = list({r.binary(): r for r in refs if r.binary() not in self._held}.values())
-        got = ray.get(missing, timeout=timeout) if missing else []
-        now = time.monotonic()
-        with self._lock:
-            for r, o in zip(missing, got):
-                self._held.setdefault(r.binary(), [r, o, now])
-            out = []
-            for r in refs:
-                entry = self._held[r.binary()]
-                entry[2] = now
-                out.append(entry[1])
-            if self._timer is None:
-                self._arm()
-        return out
-
-    def _arm(self) -> None:
-        """Sweep in ``KEEP_MAPPED_S`` (the caller holds the lock)."""
-        self._timer = threading.Timer(KEEP_MAPPED_S, self._sweep)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def _sweep(self) -> None:
-        with self._lock:
-            now = time.monotonic()
-            for key in [k for k, e in self._held.items() if now - e[2] >= KEEP_MAPPED_S]:
-                del self._held[key]
-            self._timer = None
-            if self._held:
-                self._arm()
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-
-_MAPPED = MappedObjects()
-_TLS = threading.local()  # per reading thread: fallbacks of its last ParallelRayGetter call
-
-
 def _left(deadline: float | None) -> float | None:
     """Seconds left before ``deadline`` (``time.monotonic``), never negative; None without a deadline."""
     return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-@functools.lru_cache(maxsize=1)
-def _reader_node() -> str:
-    """This process's Ray node id (a reader's node does not change while its process lives)."""
-    return _node_id()
 
 
 def _node_affinity(node: str):  # noqa: ANN202 - a Ray scheduling strategy, or None for a logical label
@@ -889,7 +747,7 @@ class RayDataPlane:
         units = {u: RayUnitProxy(a, u, self.read_timeout_s) for u, a in self.unit_actors.items()}
         return DataPlaneClient(RayControllerProxy(self.controller_actor), units, self.schema, local_unit,
                                self.prepare, getter=ParallelRayGetter(units, self.read_timeout_s),
-                               checksums=self.checksums)
+                               checksums=self.checksums, remote_controller=True)
 
     def unit_stats(self) -> list[UnitStats]:
         return ray.get([a.stats.remote() for a in self.unit_actors.values()])

@@ -72,10 +72,6 @@ class TextTransferTrial(TransferTrialBase):
     pack_cpu_s: float | None = None
     """The CPU time (``time.thread_time`` of the packing threads) within ``pack_s``: ``pack_s`` minus it is the
     pack waiting for a core or the GIL. None where not recorded."""
-    map_fallbacks: int | None = None
-    """Raw pass, KnitTrans over Ray: unit reads whose map of the unit's objects did not complete within
-    ``ray_transport.MAP_TIMEOUT_S`` and were read again as packed bytes (that wait is in ``read_s``); None where
-    not recorded."""
 
 
 @trial("transfer-multimodal")
@@ -95,7 +91,6 @@ class MMTransferTrial(TransferTrialBase):
     read_s: float | None = None
     pack_s: float | None = None
     pack_cpu_s: float | None = None
-    map_fallbacks: int | None = None
 
 
 # -- measures -------------------------------------------------------------------------------------------------
@@ -200,10 +195,6 @@ def get_profile(rows: Sequence[Trial], system: str) -> str:
         out += f"; the pack alone moves {float(np.median(alone)):.2g} of memcpy"
         if on_cpu:
             out += f", on a CPU {float(np.median(on_cpu)):.0%} of its time (the rest waiting for a core or the GIL)"
-    fell = sum(int(r.map_fallbacks) for r in mine if getattr(r, "map_fallbacks", None))  # type: ignore[attr-defined]
-    if fell:
-        out += (f"; {fell} unit read(s) waited out the object map's timeout and were read again as packed bytes "
-                f"(their wait is in these passes' times)")
     return out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -214,126 +215,87 @@ def fetch_all_fields(dp: RayDataPlane, mb: MiniBatch, rank: int) -> tuple[tuple[
     return share.traj_ids, {n: _field_digest(share, n) for n in FIELDS}
 
 
-def test_large_puts_are_unit_objects_read_without_a_copy_that_outlive_their_producer_and_are_freed(ray_local):
-    """A put past ``STORE_MIN_BYTES`` becomes an object the unit owns: a reader on the unit's node gets where the
-    rows live (no bytes through the unit), every field's bytes arrive intact after the producer's process is
-    gone, a reader on another node gets packed bytes instead, and the objects are freed once consumed."""
-    from knittrans.dataplane.ray_transport import STORE_MIN_BYTES, StoredChunk
-    from knittrans.dataplane.types import UnitChunk
+def test_large_puts_are_unit_objects_ranks_read_without_a_unit_call_that_outlive_their_producer(ray_local):
+    """A put past ``STORE_MIN_BYTES`` becomes an object the unit owns and the controller learns where its rows lie:
+    a claim hands the rank its share as runs of those objects (one object per unit's put, a few runs per field),
+    the rank reads them with one ``ray.get`` and no unit answers a read, every field's bytes arrive intact after
+    the producer's process is gone, and the objects are freed once consumed."""
+    from knittrans.dataplane.ray_transport import STORE_MIN_BYTES
 
     dp = build_ray(TEXT_SCHEMA, UNITS, RANKS)  # its own plane: the module's reuses these trajectory ids
     try:
-        _large_puts(dp, STORE_MIN_BYTES, StoredChunk, UnitChunk)
+        batch = make_text_batch(TextDataConfig(num_prompts=4, group_size=4, response_len_median=2048,
+                                               max_response_len=4096, prompt_len_mean=32, seed=5))
+        by_id = {t.traj_id: t for t in batch.trajectories}
+        per_unit = {u: [t for t in batch.trajectories if t.traj_id % 2 == i] for i, u in enumerate(UNITS)}
+        assert all(sum(t.nbytes for t in ts) >= STORE_MIN_BYTES for ts in per_unit.values())
+        actors = dp.unit_actors
+        objects0 = {u: ray.get(a.num_objects.remote()) for u, a in actors.items()}
+        producers = {u: Producer.remote() for u in UNITS}
+        ray.get([producers[u].put.remote(dp, u, [t.payload() for t in ts]) for u, ts in per_unit.items()])
+        for p in producers.values():  # the producers' processes end: what they put must stay readable
+            ray.kill(p)
+        assert all(ray.get(a.num_objects.remote()) == objects0[u] + 1 for u, a in actors.items())
+        mb = batch.minibatches(1)[0]
+        dp.client().admit(mb)
+        got = ray.get([fetch_all_fields.remote(dp, mb, r) for r in range(len(RANKS))], timeout=120)
+        for ids, digests in got:
+            for name in FIELDS:
+                assert digests[name] == _digest(by_id[t].payload().tensors[name] for t in ids), name
+        assert sorted(t for ids, _ in got for t in ids) == sorted(by_id)
+        assert [ray.get(a.get_count.remote()) for a in actors.values()] == [0, 0]  # no unit call on the read path
+        dp.wait_drained(timeout=60)
+        assert {u: ray.get(a.num_objects.remote()) for u, a in actors.items()} == objects0  # freed once consumed
     finally:
         dp.close()
 
 
-def _large_puts(dp: RayDataPlane, STORE_MIN_BYTES: int, StoredChunk: type, UnitChunk: type) -> None:  # noqa: N803
-    batch = make_text_batch(TextDataConfig(num_prompts=4, group_size=4, response_len_median=2048,
-                                           max_response_len=4096, prompt_len_mean=32, seed=5))
-    by_id = {t.traj_id: t for t in batch.trajectories}
-    units = list(UNITS)
-    per_unit = {u: [t for t in batch.trajectories if t.traj_id % 2 == i] for i, u in enumerate(units)}
-    assert all(sum(t.nbytes for t in ts) >= STORE_MIN_BYTES for ts in per_unit.values())
-    actors = {u: dp.unit_actors[u] for u in units}
-    before = {u: ray.get(a.read_counts.remote()) for u, a in actors.items()}
-    objects0 = {u: ray.get(a.num_objects.remote()) for u, a in actors.items()}
-    producers = {u: Producer.remote() for u in units}
-    ray.get([producers[u].put.remote(dp, u, [t.payload() for t in ts]) for u, ts in per_unit.items()])
-    for p in producers.values():  # the producers' processes end: what they put must stay readable
-        ray.kill(p)
-    assert all(ray.get(a.num_objects.remote()) == objects0[u] + 1 for u, a in actors.items())
-    ids0 = tuple(t.traj_id for t in per_unit["u0"][:3])
-    far = ray.get(actors["u0"].locate.remote(ids0, ("input_ids",), "a-node-that-is-not-this-one"))
-    near = ray.get(actors["u0"].locate.remote(ids0, ("input_ids",), ray.get_runtime_context().get_node_id()))
-    assert isinstance(far, UnitChunk) and isinstance(near, StoredChunk)
-    assert [r.tobytes() for r in far.rows(0)] == [by_id[t].input_ids.tobytes() for t in ids0]
-    del near  # the test's own reference to the unit's object
-    mb = batch.minibatches(1)[0]
-    dp.client().admit(mb)
-    got = ray.get([fetch_all_fields.remote(dp, mb, r) for r in range(len(RANKS))], timeout=120)
-    for ids, digests in got:
-        for name in FIELDS:
-            assert digests[name] == _digest(by_id[t].payload().tensors[name] for t in ids), name
-    assert sorted(t for ids, _ in got for t in ids) == sorted(by_id)
-    after = {u: ray.get(a.read_counts.remote()) for u, a in actors.items()}
-    located = sum(after[u][0] - before[u][0] for u in units)
-    assert located >= 1 + len(RANKS)  # the test's near read and every rank's reads: object locations
-    assert [after[u][1] - before[u][1] for u in units] == [1, 0]  # packed bytes only for the far reader
-    dp.wait_drained(timeout=60)
-    assert {u: ray.get(a.num_objects.remote()) for u, a in actors.items()} == objects0  # freed once consumed
-
-
-@ray.remote(num_cpus=0)
-def never_ready() -> None:
-    """An object that is not created while a test runs (the test cancels it)."""
-    import time
-
-    time.sleep(3600)
-
-
-def test_a_map_of_unit_objects_that_hangs_falls_back_to_packed_bytes(ray_local, monkeypatch):
-    """A reader whose map of the units' objects does not complete within ``MAP_TIMEOUT_S`` (here: a ref that never
-    becomes ready rides along with the real ones) reads those rows again as packed bytes: every field arrives
-    intact, the fallback is counted, and the units answered both ways."""
-    import dataclasses
-
-    from knittrans.dataplane import ray_transport as rt
-
-    dp = build_ray(TEXT_SCHEMA, UNITS, RANKS)
+def test_a_claim_names_each_unit_object_once_and_merges_back_to_back_rows_into_runs(ray_local):
+    dp = build_ray(TEXT_SCHEMA, {"u0": "n0"}, ("n0",))
     try:
         batch = make_text_batch(TextDataConfig(num_prompts=4, group_size=4, response_len_median=2048,
-                                               max_response_len=4096, prompt_len_mean=32, seed=6))
-        by_id = {t.traj_id: t for t in batch.trajectories}
+                                               max_response_len=4096, prompt_len_mean=32, seed=7))
+        dp.client("u0").put([t.payload() for t in batch.trajectories])
+        mb = batch.minibatches(1)[0]
+        dp.client().admit(mb)
+        loc = dp.controller.claim(MiniBatchKey(mb.batch_id, mb.index), 0, FIELDS)
+        assert loc.runs is not None and len(loc.runs.sources) == 1 and loc.runs.source_units == ("u0",)
+        assert [len(r) for r in loc.runs.runs] == [1, 1, 1, 1]  # the whole share lies back to back in its put
+        assert [int(r[:, 3].sum() - r[:, 2].sum()) for r in loc.runs.runs] == [int(n.sum()) for n in loc.runs.nbytes]
+        dp.controller.unclaim(loc.key, 0, FIELDS)
+    finally:
+        dp.close()
+
+
+def test_a_rank_reading_objects_of_a_killed_unit_reports_it_lost_and_gives_the_share_back(ray_local):
+    """The objects' owner is their unit: once it is gone, a rank's read of them raises ``UnitLostError`` naming it,
+    the unit is reported lost (its trajectories become missing) and the claim is undone (never a partial share)."""
+    from knittrans.dataplane.types import UnitLostError
+
+    dp = build_ray(TEXT_SCHEMA, UNITS, RANKS, controller_restarts=0)
+    try:
+        batch = make_text_batch(TextDataConfig(num_prompts=4, group_size=4, response_len_median=2048,
+                                               max_response_len=4096, prompt_len_mean=32, seed=8))
         for i, u in enumerate(UNITS):
             dp.client(u).put([t.payload() for t in batch.trajectories if t.traj_id % 2 == i])
-        actors = {u: dp.unit_actors[u] for u in UNITS}
-        before = {u: ray.get(a.read_counts.remote()) for u, a in actors.items()}
-        blocker = never_ready.remote()
-        resolve = rt.ParallelRayGetter._resolve
-
-        def hanging(self, chunks, deadline):  # noqa: ANN001, ANN202
-            chunks = [dataclasses.replace(c, refs=c.refs + (blocker,)) if isinstance(c, rt.StoredChunk) else c
-                      for c in chunks]
-            return resolve(self, chunks, deadline)
-
-        monkeypatch.setattr(rt.ParallelRayGetter, "_resolve", hanging)
-        monkeypatch.setattr(rt, "MAP_TIMEOUT_S", 0.5)
-        fell = 0
         mb = batch.minibatches(1)[0]
         client = dp.client()
         client.admit(mb)
-        for rank in range(len(RANKS)):
-            share = client.fetch(mb, rank)
-            timing = client.thread_timing()  # this fetch's (read once: the call hands it over)
-            assert timing.map_fallbacks == 1
-            fell += timing.map_fallbacks
-            for name in FIELDS:
-                assert _field_digest(share, name) == _digest(by_id[t].payload().tensors[name]
-                                                             for t in share.traj_ids), name
-        assert fell == len(RANKS)
-        after = {u: ray.get(a.read_counts.remote()) for u, a in actors.items()}
-        assert all(after[u][0] > before[u][0] for u in UNITS)  # answered with object locations first
-        ray.cancel(blocker, force=True)
+        key = MiniBatchKey(mb.batch_id, mb.index)
+        runs = dp.controller.claim(key, 0, FIELDS).runs
+        dp.controller.unclaim(key, 0, FIELDS)
+        ref = runs.sources[runs.source_units.index("u1")]
+        ray.kill(dp.unit_actors["u1"])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # ray.kill returns before the actor is gone, and its objects after
+            try:
+                ray.get(ref, timeout=5)
+            except (ray.exceptions.OwnerDiedError, ray.exceptions.ObjectLostError):
+                break
+            time.sleep(0.05)
+        del ref, runs
+        with pytest.raises(UnitLostError, match="u1"):
+            client.fetch(mb, 0)
+        assert set(dp.controller.missing()) == {t.traj_id for t in batch.trajectories if t.traj_id % 2 == 1}
     finally:
         dp.close()
-
-
-def test_a_reader_maps_each_unit_object_once_while_it_keeps_using_it_and_lets_it_go_after(ray_local, monkeypatch):
-    """``MappedObjects``: a second map of the same object moments later returns the very arrays of the first
-    (no second ``ray.get``), and an object not used for ``KEEP_MAPPED_S`` is let go by the sweep."""
-    import time
-
-    from knittrans.dataplane import ray_transport as rt
-
-    monkeypatch.setattr(rt, "KEEP_MAPPED_S", 0.3)
-    held = rt.MappedObjects()
-    a, b = ray.put((np.arange(10),)), ray.put((np.ones(3),))
-    first = held.get([a, b], timeout=30)
-    again = held.get([b, a, b], timeout=30)
-    assert again[0] is first[1] and again[1] is first[0] and again[2] is first[1] and len(held) == 2
-    deadline = time.monotonic() + 10
-    while len(held) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(held) == 0  # swept once unused for KEEP_MAPPED_S
-    assert held.get([a], timeout=30)[0][0].tolist() == list(range(10))  # mapped again on the next use
