@@ -60,6 +60,10 @@ class System(str, Enum):
     KNITTRANS_RAY_NOPREFETCH = "knittrans-ray-noprefetch"
     KNITTRANS_INPROC = "knittrans-inproc"
     VERL_MM = "verl-mm"
+    KNITTRANS_RAY_DRAIN = "knittrans-ray-drain"
+    """knittrans-ray whose raw pass is a drain: everything put and admitted before t0, ranks ack, no compute."""
+    ENGINE_CEILING = "engine-ceiling"
+    """Ray's own ceiling for KnitTrans's read path on the same objects (``knittrans.bench.ceiling``); raw only."""
 
 
 class Workload(str, Enum):
@@ -71,7 +75,8 @@ MM_SYSTEMS = (System.CENTRALIZED, System.VERL_MM, System.TRANSFERQUEUE, System.K
               System.KNITTRANS_RAY_NOPREFETCH, System.KNITTRANS_INPROC)
 """padmax is the text table's variant. TransferQueue moves per-trajectory fields with each sample's own images."""
 TEXT_SYSTEMS = tuple(s for s in System if s is not System.VERL_MM)
-"""verl-mm moves multimodal inputs (its text twin is ``centralized``)."""
+"""verl-mm moves multimodal inputs (its text twin is ``centralized``). The engine ceiling is text's: multimodal
+shares are read through their units."""
 
 
 @dataclass
@@ -190,6 +195,10 @@ def make_system(kind: System, cfg: TransferConfig, layout: BenchLayout, session)
         return CentralizedSystem(kind.value, layout, session, conf, CentralOverlap(cfg.central_overlap))
     if kind is System.VERL_MM:
         return VerlMMSystem(kind.value, layout, session, CentralOverlap(cfg.central_overlap))
+    if kind is System.ENGINE_CEILING:
+        from knittrans.bench.ceiling import EngineCeilingSystem
+
+        return EngineCeilingSystem(kind.value, layout, session)
     if kind is System.TRANSFERQUEUE:
         from baselines.transferqueue_system import TransferQueueSystem
         from knittrans.dataplane.types import TEXT_SCHEMA
@@ -197,7 +206,8 @@ def make_system(kind: System, cfg: TransferConfig, layout: BenchLayout, session)
         return TransferQueueSystem(kind.value, layout, session, TEXT_SCHEMA, cfg.tq_storage_units, multimodal=mm)
     transport = Transport.INPROCESS if kind is System.KNITTRANS_INPROC else Transport.RAY
     return KnitTransSystem(kind.value, layout, transport, multimodal=mm,
-                           prefetch=kind is not System.KNITTRANS_RAY_NOPREFETCH, session=session)
+                           prefetch=kind is not System.KNITTRANS_RAY_NOPREFETCH, session=session,
+                           drain=kind is System.KNITTRANS_RAY_DRAIN)
 
 
 def trial_row(cfg: TransferConfig, rec: PassRecord, memcpy: float, distinct_pixel_bytes: int) -> TransferTrialBase:
@@ -206,7 +216,7 @@ def trial_row(cfg: TransferConfig, rec: PassRecord, memcpy: float, distinct_pixe
     assert last is not None
     raw_s = raw.raw_s if raw is not None else None
     common = dict(seed=cfg.seed, pass_index=rec.pass_index, system=rec.system,
-                  exposed_s=st.mean_exposed_s if st is not None else None,
+                  exposed_s=st.mean_exposed_s if st is not None and st.exposed else None,
                   exposed_mb0_s=(statistics.mean(r[0] for r in st.exposed) if st is not None and st.exposed else None),
                   raw_s=raw_s, get_s=raw.mean_get_s if raw is not None else None, bytes_moved=last.bytes_moved,
                   gbps=last.bytes_moved / raw_s / 1e9 if raw_s else None, memcpy_gbps=memcpy,
@@ -214,6 +224,8 @@ def trial_row(cfg: TransferConfig, rec: PassRecord, memcpy: float, distinct_pixe
                   live_bytes_after=max((r.live_bytes_after for r in (st, raw) if r is not None
                                         and r.live_bytes_after is not None), default=None))
     common["get_gbps"] = raw.get_gbps if raw is not None and np.isfinite(raw.get_gbps) else None
+    common["rank_gbps"] = (raw.slowest_rank_gbps if raw is not None and np.isfinite(raw.slowest_rank_gbps)
+                           else None)
     if raw is not None and raw.get_parts:  # the gets' profile: claim, read, pack (+ its CPU) seconds, summed
         sums = [sum(p[i] for p in raw.get_parts) for i in range(4)]
         common.update(zip(("claim_s", "read_s", "pack_s", "pack_cpu_s"), (s if np.isfinite(s) else None for s in sums)))

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from knittrans.bench.loop import Notify, completion_times, finish_raw, finish_steady, rank_loop
-from knittrans.bench.types import COMPLETION_FIELDS, BenchLayout, Obtained, PassData, PassResult
+from knittrans.bench.types import COMPLETION_FIELDS, BenchLayout, Obtained, PassData, PassKind, PassResult
 from knittrans.dataplane.harness import RankTrace, Signals
 from knittrans.dataplane import trace
 from knittrans.dataplane.trace import CpuEvent, FlowEvent
@@ -86,7 +86,7 @@ class KnitTransSystem:
 
     def __init__(self, name: str, layout: BenchLayout, transport: Transport, multimodal: bool = False,
                  prefetch: bool = True, session=None, dedup: bool = True,  # noqa: ANN001 - a RaySession
-                 trace: bool = False) -> None:
+                 trace: bool = False, drain: bool = False) -> None:
         if Transport(transport) is Transport.RAY and session is None:
             raise ValueError(f"{name}: the Ray transport needs a RaySession (its rank actors and signal board)")
         if trace and Transport(transport) is not Transport.RAY:
@@ -94,6 +94,9 @@ class KnitTransSystem:
         self.name, self.layout, self.transport = name, layout, Transport(transport)
         self.multimodal, self.prefetch, self.session, self.dedup = multimodal, prefetch, session, dedup
         self.trace = trace
+        self.drain = drain
+        """Raw passes drain the handoff: every trajectory is put and every mini-batch admitted before t0, then the
+        ranks start and iterate their consumers with acks and no compute (the handoff's own read throughput)."""
         """Raw passes record their reads (``PassResult.trace``): per share, claim, source work, one pull per unit,
         unpickling and packing."""
         self._handoff: Handoff | None = None
@@ -151,6 +154,8 @@ class KnitTransSystem:
     # -- passes ----------------------------------------------------------------------------------------------
 
     def run_steady(self, batches: Sequence[PassData], iters_per_token: float) -> PassResult:
+        if self.drain:  # a drain system measures raw drains only
+            return PassResult(PassKind.STEADY)
         h = self.handoff(batches[0])
         n, m, tag = len(batches), batches[0].num_minibatches, batches[0].batch_id
         self.layout.check(n, m)
@@ -166,8 +171,13 @@ class KnitTransSystem:
         h = self.handoff(batch)
         h.add_batch(batch.plan)
         self.stream(h, batch)
+        complete = (lambda b: self.complete(h, batch))
+        if self.drain:  # everything put and admitted before t0: what is timed is the ranks' drain alone
+            self.complete(h, batch)
+            h.plane.controller.next_admitted(self._seq + batch.num_minibatches - 1, ADMIT_TIMEOUT_S)
+            complete = (lambda b: None)
         traces, t0 = self._run(h, 1, batch.num_minibatches, 0.0, self.prefetch, batch.batch_id,
-                               lambda b: self.complete(h, batch), steady=False, trace=self.trace)
+                               complete, steady=False, trace=self.trace)
         res = finish_raw(traces, t0[0], live_bytes_after=self._settle(h))
         return dataclasses.replace(res, trace=self._drain_trace(), t0=t0[0]) if self.trace else res
 

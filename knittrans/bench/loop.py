@@ -103,7 +103,10 @@ def finish_raw(traces: Sequence[RankTrace], t0: float, bytes_moved: int | None =
                       get_nbytes=tuple(m.nbytes for tr in traces for m in tr.timings),
                       get_parts=_parts([m.fetch_parts for tr in traces for m in tr.timings]),
                       bytes_moved=got if bytes_moved is None else bytes_moved, pixel_nbytes=pixels,
-                      live_bytes_after=live_bytes_after)
+                      live_bytes_after=live_bytes_after,
+                      rank_gbps=tuple(sum(m.nbytes for m in tr.timings)
+                                      / max(1e-9, tr.timings[-1].t_got - max(t0, tr.timings[0].t_ask)) / 1e9
+                                      for tr in traces if tr.timings))
 
 
 def _parts(parts: list[tuple[float, ...]]) -> tuple[tuple[float, ...], ...]:
@@ -137,4 +140,4 @@ def median_raw(results: Sequence[PassResult]) -> PassResult:
                       get_parts=tuple(p for r in results for p in r.get_parts) if all(r.get_parts for r in results)
                       else (), bytes_moved=results[-1].bytes_moved,
                       pixel_nbytes=results[-1].pixel_nbytes, live_bytes_after=max(lives) if lives else None,
-                      trace=nearest.trace, t0=nearest.t0)
+                      trace=nearest.trace, t0=nearest.t0, rank_gbps=nearest.rank_gbps)

@@ -209,6 +209,9 @@ class PassResult:
     """Raw pass: each get's (claim, read, pack, pack CPU) seconds, same order as ``get_s``, where the system
     records them (KnitTrans: ``client.FetchTiming``); () otherwise. The profile behind a missed bandwidth goal."""
     bytes_moved: int = 0
+    rank_gbps: tuple[float, ...] = ()
+    """Raw pass: per rank, the bytes it received over the time from t0 (or its first ask, if later: a drain's ranks
+    start after t0) to its last share, GB/s: what one rank's stream moves end to end."""
     pixel_nbytes: int = 0
     """Multimodal: pixel_values bytes delivered to the ranks per batch (KnitTrans: each distinct image once per
     share; centralized: every occurrence)."""
@@ -234,6 +237,11 @@ class PassResult:
     @property
     def mean_get_s(self) -> float:
         return sum(self.get_s) / len(self.get_s) if self.get_s else math.nan
+
+    @property
+    def slowest_rank_gbps(self) -> float:
+        """Raw pass: the slowest rank's bytes over its own t0 -> its last share, GB/s (NaN where not recorded)."""
+        return min(self.rank_gbps) if self.rank_gbps else math.nan
 
     @property
     def get_gbps(self) -> float:

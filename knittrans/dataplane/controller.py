@@ -33,19 +33,18 @@ import copy
 import dataclasses
 import threading
 import time
-from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-import numpy as np
-
 from knittrans.dataplane.assign import ShareItem, assign_shares
 from knittrans.dataplane.idset import IdRanges
+from knittrans.dataplane.records import HandoffRecord, RecordLog
 from knittrans.dataplane.recovery import CompleteEvent, ControllerJournal, JournalState, Released, rebuild
+from knittrans.dataplane.sources import SourceTable, Where
 from knittrans.dataplane.types import (AdmissionStateError, AdmittedMiniBatch, AlreadyConsumedError,
                                        DataLostError, DataPlaneClosedError, DataPlaneError, DuplicatePutError,
                                        EndOfStream, FencedError, FieldNotProducedError, MiniBatchKey, PutRecord,
-                                       ShareLocation, ShareRuns, TrajectorySchema, UnknownMiniBatchError)
+                                       ShareLocation, TrajectorySchema, UnknownMiniBatchError)
 from knittrans.types import BatchPlan, MiniBatch, Trajectory
 
 if TYPE_CHECKING:  # the admission package is only needed when a policy is passed in
@@ -62,10 +61,11 @@ class ControllerConfig:
     """Locality yields once a rank would exceed ``(1 + slack) * ideal`` tokens (see ``assign``)."""
     equal_counts: bool = True
     """Give every rank the same number of trajectories (+-1): DP ranks step on equal sample counts."""
-    keep_records: bool = True
-    """Keep a ``HandoffRecord`` row of every trained trajectory that carried metadata (64 B each, in columns) for
-    ``records()`` and staleness reports. False: only unreleased ones are reported, and controller memory is flat
-    however long the run (released trajectories and mini-batches are compacted either way)."""
+    records_window: int | None = None
+    """``records()`` keeps the released records of the last this many trained trajectories that carried metadata
+    (64 B each, in columns: ``records.RecordLog``); None: all of them; 0: none (only unreleased ones are
+    reported). With a window controller memory is flat however long the run (released trajectories and
+    mini-batches are compacted either way)."""
 
     def __post_init__(self) -> None:
         if not self.rank_nodes:
@@ -81,9 +81,9 @@ class _TrajState:
     checksums: dict[str, int] = field(default_factory=dict)  # produced field -> producer's checksum
     meta: Trajectory | None = None  # admission metadata, once the completing put arrived
     t_complete: float = 0.0  # when the completing put registered (seconds since the controller started)
-    where: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
-    """Produced field -> (source key, array, first byte, end byte) in its unit's source (``PutRecord.where``);
-    a field without an entry is read through its unit."""
+    where: dict[str, Where] = field(default_factory=dict)
+    """Produced field -> where its bytes lie in its unit's source (``sources``); a field without one is read
+    through its unit."""
 
 
 @dataclass
@@ -116,31 +116,6 @@ class ControllerStats:
     held_groups: int = 0  # announced groups whose batch still has unreleased trajectories
 
 
-_REC_INT_COLUMNS = ("traj", "group", "batch", "tokens", "v_gen", "v_train")  # a released record's int columns,
-# in HandoffRecord's field order
-
-
-@dataclass(frozen=True)
-class HandoffRecord:
-    """One trajectory's versions and times through the handoff (seconds since the controller started).
-    ``v_train`` is the policy version of the step that trains it (its mini-batch's admission order); staleness
-    ``v_train - v_gen`` (``knittrans.types``)."""
-
-    traj_id: int
-    group_id: int
-    batch_id: int
-    num_tokens: int
-    v_gen: int
-    v_train: int
-    t_complete: float
-    t_admit: float
-    released: bool
-
-    @property
-    def staleness(self) -> int:
-        return self.v_train - self.v_gen
-
-
 class Controller:
     """Metadata of one data plane. ``unit_nodes`` maps each storage unit id to its node. ``journal``: where the
     controller writes what only it knows, before it answers, so that a restarted controller can be rebuilt from
@@ -170,11 +145,7 @@ class Controller:
         self._failure: BaseException | None = None  # an admission failure: every waiter re-raises it
         self._t0 = time.perf_counter()
         self._trajs: dict[int, _TrajState] = {}
-        # The units' sources the trajectories' fields lie in (``PutRecord.source``): key -> [handle, unit id, rows
-        # still registered]. Kept while any registered row lies in it, so a claim can hand it to a reader (on Ray the
-        # handle is an ObjectRef: holding it here also keeps the object alive until its rows are released).
-        self._sources: dict[int, list] = {}
-        self._next_source = 0
+        self._sources = SourceTable()  # where the rows' bytes lie (``knittrans.dataplane.sources``)
         self._mbs: dict[MiniBatchKey, _MiniBatchState] = {}
         self._log: list[MiniBatchKey] = []
         self._claims = 0
@@ -184,13 +155,12 @@ class Controller:
         self._discarded = 0
         self._epochs: dict[int, int] = {}  # rank -> incarnation (recover_rank bumps it)
         # Compaction (bounded memory): a released mini-batch's trajectories leave ``_trajs`` and the mini-batch
-        # leaves ``_mbs``; what stays is their ids as ranges, the released keys (one per step), and -- when
-        # ``keep_records`` -- one columnar record row per trajectory that carried metadata.
+        # leaves ``_mbs``; what stays is their ids as ranges, the released keys (one per step), and the records of
+        # the last ``records_window`` trajectories that carried metadata (``RecordLog``).
         self._released_ids = IdRanges()
         self._released_keys: set[MiniBatchKey] = set()
         self._consumed_after_loss: set[int] = set()  # released while missing: a late re-put is not needed
-        self._rec_i = {k: array("q") for k in _REC_INT_COLUMNS}
-        self._rec_f = {k: array("d") for k in ("t_complete", "t_admit")}
+        self._records = RecordLog(self.config.records_window)
         self._closed = False
         # Per announced batch (with a policy), until all its trajectories are released: its plan, size and how many
         # are released; then the batch's groups leave ``_groups``/``_arrived`` and its policy inputs the journal.
@@ -246,7 +216,6 @@ class Controller:
                                                 f"produced (each field is produced exactly once)")
                     seen.add((r.traj_id, fm.name))
             completing = self._check_completions([r for r in records if r.traj_id not in skip])
-            keys: dict[int, int] = {}  # id(source) -> source key, for this call
             for r in records:
                 if r.traj_id in skip:
                     continue
@@ -255,23 +224,16 @@ class Controller:
                     st.unit_id = r.unit_id
                     st.fields.clear()
                     st.checksums.clear()
-                    self._release_where_locked(st)
+                    self._sources.release(st.where)
                     self._missing.discard(r.traj_id)
                 st.fields.update({fm.name: fm.nbytes for fm in r.fields})
                 st.checksums.update({fm.name: fm.checksum for fm in r.fields if fm.checksum is not None})
                 if r.source is not None:
-                    key = keys.get(id(r.source))
-                    if key is None:
-                        key = keys[id(r.source)] = self._add_source_locked(r.source, r.unit_id)
-                    for fm, w in zip(r.fields, r.where):
-                        if w is not None:
-                            st.where[fm.name] = (key, *w)
-                            self._sources[key][2] += 1
+                    st.where.update(self._sources.add(r.source, r.unit_id,
+                                                      [(fm.name, w) for fm, w in zip(r.fields, r.where)]))
                 if r.num_tokens is not None:
                     st.num_tokens = r.num_tokens
-            for key in keys.values():
-                if self._sources[key][2] == 0:  # every row it carried was a repeat: nothing lies in it
-                    del self._sources[key]
+            self._sources.end_put()
             self._registered_locked(records)
             for r in completing:
                 self._complete_locked(r)
@@ -309,51 +271,6 @@ class Controller:
             if r.fields or r.meta is not None:
                 out.append(r)
         return out
-
-    def _add_source_locked(self, handle: object, unit_id: str) -> int:
-        key, self._next_source = self._next_source, self._next_source + 1
-        self._sources[key] = [handle, unit_id, 0]
-        return key
-
-    def _release_where_locked(self, st: _TrajState) -> None:
-        """``st``'s rows leave their sources (released, discarded, lost or replaced): a source without rows is
-        forgotten (on Ray: the controller's reference to the unit's object goes; the unit frees it with its last
-        row)."""
-        for key, *_ in st.where.values():
-            src = self._sources.get(key)
-            if src is not None:
-                src[2] -= 1
-                if src[2] <= 0:
-                    del self._sources[key]
-        st.where.clear()
-
-    def _runs_locked(self, traj_ids: Sequence[int], fields: Sequence[str]) -> ShareRuns | None:
-        """The share's bytes as runs of its units' sources (``ShareRuns``), or None unless every requested row of
-        it has a location. Rows that lie back to back in one array merge into one run."""
-        index: dict[int, int] = {}
-        runs, sizes = [], []
-        for name in fields:
-            out: list[list[int]] = []
-            nb = np.empty(len(traj_ids), dtype=np.int64)
-            for i, t in enumerate(traj_ids):
-                st = self._trajs[t]
-                w = st.where.get(name)
-                if w is None:
-                    return None
-                key, col, a, b = w
-                o = index.get(key)
-                if o is None:
-                    o = index[key] = len(index)
-                if out and out[-1][0] == o and out[-1][1] == col and out[-1][3] == a:
-                    out[-1][3] = b
-                else:
-                    out.append([o, col, a, b])
-                nb[i] = b - a
-            runs.append(np.array(out, dtype=np.int64).reshape(-1, 4))
-            sizes.append(nb)
-        keys = list(index)
-        return ShareRuns(tuple(self._sources[k][0] for k in keys), tuple(self._sources[k][1] for k in keys),
-                         tuple(runs), tuple(sizes))
 
     # -- admission (with a policy) ---------------------------------------------------------------------------
 
@@ -587,7 +504,8 @@ class Controller:
                                  unit_ids=tuple(self._trajs[t].unit_id or "" for t in traj_ids),
                                  fields=tuple(fields), nbytes=nbytes, checksums=sums, seq=st.admitted.seq,
                                  group_ids=st.admitted.group_ids,
-                                 epoch=-1 if epoch is None else epoch, runs=self._runs_locked(traj_ids, fields))
+                                 epoch=-1 if epoch is None else epoch,
+                                 runs=self._sources.runs([self._trajs[t].where for t in traj_ids], fields))
 
     def claim_next(self, seq: int, rank: int, fields: Sequence[str], timeout: float | None = None,
                    epoch: int | None = None) -> ShareLocation:
@@ -628,15 +546,6 @@ class Controller:
                 except DataPlaneError:
                     break  # claimed already, or not produced yet: the rank's next poll asks for it
         return tuple(out)
-
-    def ack_many(self, acks: Sequence[tuple[MiniBatchKey, int, tuple[str, ...], int | None]]
-                 ) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        """Several acks in one call (a rank's batched, asynchronous acks), applied in order; the units' drops of
-        every mini-batch they release. The first failing ack raises, after the ones before it were applied."""
-        drops: list[tuple[str, tuple[int, ...]]] = []
-        for key, rank, fields, epoch in acks:
-            drops += self.ack(key, rank, fields, epoch)
-        return tuple(drops)
 
     def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str],
             epoch: int | None = None) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -690,21 +599,17 @@ class Controller:
         touched: set[int] = set()
         for t in adm.traj_ids:
             ts = self._trajs.pop(t)
-            self._release_where_locked(ts)
+            self._sources.release(ts.where)
             if ts.unit_id is None:
                 self._consumed_after_loss.add(t)
-            if ts.meta is not None and self.config.keep_records:
+            if ts.meta is not None and self.config.records_window != 0:
                 m = ts.meta
-                row = (t, m.group_id, m.batch_id, m.num_tokens, m.v_gen, adm.seq)
-                for k, v in zip(_REC_INT_COLUMNS, row):
-                    self._rec_i[k].append(v)
-                self._rec_f["t_complete"].append(ts.t_complete)
-                self._rec_f["t_admit"].append(st.t_admit)
-                rows.append((*row, ts.t_complete, st.t_admit))
+                rows.append((t, m.group_id, m.batch_id, m.num_tokens, m.v_gen, adm.seq, ts.t_complete, st.t_admit))
             if ts.meta is not None:
                 b = ts.meta.batch_id
                 self._released_in_batch[b] = self._released_in_batch.get(b, 0) + 1
                 touched.add(b)
+        self._records.extend(rows)
         done = tuple(sorted(b for b in touched if b in self._plans
                             and self._released_in_batch[b] >= self._batch_size[b]))
         for b in done:  # bounded memory: a finished batch's groups are never needed again
@@ -756,7 +661,7 @@ class Controller:
                     if t in done[st.admitted_in]:
                         continue  # its rank holds it already
                 st.unit_id = None  # fields stay recorded (what was produced) until the re-put replaces them
-                self._release_where_locked(st)  # its bytes went with the unit
+                self._sources.release(st.where)  # its bytes went with the unit
                 lost.append(t)
             if lost:
                 self._units_lost += 1
@@ -793,7 +698,7 @@ class Controller:
                 st = self._trajs.pop(t, None)
                 if st is None:
                     continue
-                self._release_where_locked(st)
+                self._sources.release(st.where)
                 self._missing.discard(t)
                 self._discarded += 1
                 if st.unit_id is not None:
@@ -952,11 +857,10 @@ class Controller:
             raise TimeoutError(f"version {version} not reached within {timeout} s (at {self._released})")
 
     def records(self) -> list[HandoffRecord]:
-        """Every admitted trajectory that carried metadata, with ``v_gen``, ``v_train`` and its times, by id."""
+        """Every admitted trajectory that carried metadata (of the released ones, the last ``records_window``),
+        with ``v_gen``, ``v_train`` and its times, by id."""
         with self._cv:
-            i, f = self._rec_i, self._rec_f
-            out = [HandoffRecord(*(int(i[k][n]) for k in _REC_INT_COLUMNS),
-                                 f["t_complete"][n], f["t_admit"][n], True) for n in range(len(i["traj"]))]
+            out = self._records.rows()
             for t, st in self._trajs.items():
                 if st.meta is None or st.admitted_in is None:
                     continue

@@ -98,7 +98,11 @@ class Prefetcher:
         self._stop = threading.Event()
         self._epoch: int | None = None
         self._epoch_lock = threading.Lock()
-        workers = self.config.depth if self.count is None else max(1, min(self.config.depth, self.count))
+        # Workers: one when a share's bytes move without a round trip (its claim comes by the feed or a plain call,
+        # its bytes by one resolve and copies: CPU work a second worker on the same cores only competes with); with
+        # reads through the units (round trips), ``depth`` so that one share's reads overlap another's.
+        workers = self.config.depth if self.client.reads_through_units else 1
+        workers = workers if self.count is None else max(1, min(workers, self.count))
         self._threads = [threading.Thread(target=self._run, name=f"prefetch-rank{self.rank}-{i}", daemon=True)
                          for i in range(workers)]
         self._started = False

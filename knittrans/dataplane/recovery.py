@@ -79,7 +79,7 @@ def _complete_event(metas: tuple, t: float) -> CompleteEvent:
 
 @dataclass(frozen=True)
 class Released:
-    """A mini-batch every rank consumed: its trajectories, their record rows (``controller._REC_INT_COLUMNS`` then
+    """A mini-batch every rank consumed: its trajectories, their record rows (``records.INT_COLUMNS`` then
     t_complete, t_admit; empty when records are not kept) and the batches it finished (all their trajectories
     released: their policy inputs leave the journal)."""
 
@@ -102,7 +102,7 @@ class JournalState:
     epochs: Mapping[int, int]
     sealed: bool
     counters: Mapping[str, int]  # planned, completed, discarded, units_lost, skipped
-    rows_i: array  # released records, flat: 6 int columns per row (``controller._REC_INT_COLUMNS``)
+    rows_i: array  # released records, flat: 6 int columns per row (``records.INT_COLUMNS``)
     rows_f: array  # and 2 float columns per row (t_complete, t_admit)
     t0_wall: float  # wall time (time.time) of the first controller's start: times stay on one clock
     restarts: int
@@ -236,7 +236,7 @@ def rebuild(ctrl: "Controller", state: JournalState, manifests: Mapping[str, Seq
     """Fill a freshly reset controller (lock held, no state) from the journal and the live units' manifests (a unit
     absent from ``manifests`` is lost). A friend of ``Controller``: it writes the controller's private state, in the
     order the controller's own methods would have."""
-    from knittrans.dataplane.controller import _MiniBatchState, _REC_INT_COLUMNS, _TrajState
+    from knittrans.dataplane.controller import _MiniBatchState, _TrajState
 
     out = Rebuilt()
     c = state.counters
@@ -250,10 +250,7 @@ def rebuild(ctrl: "Controller", state: JournalState, manifests: Mapping[str, Seq
     ctrl._planned, ctrl._completed = c.get("planned", 0), c.get("completed", 0)
     ctrl._discarded, ctrl._units_lost = c.get("discarded", 0), c.get("units_lost", 0)
     ctrl._restarts = state.restarts
-    w = len(_REC_INT_COLUMNS)
-    for j, k in enumerate(_REC_INT_COLUMNS):
-        ctrl._rec_i[k] = state.rows_i[j::w]
-    ctrl._rec_f["t_complete"], ctrl._rec_f["t_admit"] = state.rows_f[0::2], state.rows_f[1::2]
+    ctrl._records.restore(state.rows_i, state.rows_f)
     # 1. where every surviving trajectory lives (a released one is dropped; of two copies -- a put whose rollback had
     # not landed yet -- the one with more fields stays, ties by unit id)
     best: dict[int, PutRecord] = {}

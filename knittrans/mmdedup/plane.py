@@ -54,7 +54,7 @@ from __future__ import annotations
 import threading
 import warnings
 from dataclasses import dataclass, field, fields as dc_fields, replace
-from typing import TYPE_CHECKING, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar, Collection, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -463,6 +463,8 @@ def image_sources(unit_ids: Sequence[str], images: Sequence[Sequence[ImageKey]],
 class MMClient(DataPlaneClient):
     """``DataPlaneClient`` whose fetches (and prefetches) that include ``image_index`` return an ``MMShare``: one
     copy of each distinct image, however many units hold it (the claim's ``image_sources``)."""
+
+    reads_through_units: ClassVar[bool] = True  # each unit names the images it ships
 
     def _unit_args(self, loc: ShareLocation) -> Mapping[str, tuple] | None:
         if not isinstance(loc, MMShareLocation) or not loc.image_sources:

@@ -72,6 +72,9 @@ class TextTransferTrial(TransferTrialBase):
     pack_cpu_s: float | None = None
     """The CPU time (``time.thread_time`` of the packing threads) within ``pack_s``: ``pack_s`` minus it is the
     pack waiting for a core or the GIL. None where not recorded."""
+    rank_gbps: float | None = None
+    """Raw pass: the slowest rank's bytes over its own time to its last share (from t0, or from its first ask
+    when the ranks start after t0: a drain), GB/s; None for rows written before this column."""
 
 
 @trial("transfer-multimodal")
@@ -91,6 +94,7 @@ class MMTransferTrial(TransferTrialBase):
     read_s: float | None = None
     pack_s: float | None = None
     pack_cpu_s: float | None = None
+    rank_gbps: float | None = None
 
 
 # -- measures -------------------------------------------------------------------------------------------------
@@ -171,6 +175,21 @@ def memcpy_fraction(system: str, field: str) -> Callable[[Sequence[Trial]], Meas
     return measure
 
 
+def ceiling_fraction(system: str) -> Callable[[Sequence[Trial]], Measured]:
+    """Per pass, ``system``'s get bandwidth / the engine ceiling's in the same pass (``engine-ceiling``: refs handed
+    over, one ``ray.get``, one pack of the same objects); median, [min, max]; the note names the ceiling's median
+    and ``system``'s get profile."""
+
+    def measure(rows: Sequence[Trial]) -> Measured:
+        pairs = [(a, b) for a, b in _pairs(rows, system, CEILING_SYSTEM, "get_gbps") if b]  # type: ignore[arg-type]
+        if not pairs:
+            return not_measured(f"no pass measured both {system}'s and the engine ceiling's get bandwidth")
+        prof, ceiling = get_profile(rows, system), float(np.median([b for _, b in pairs]))
+        return median_range([a / b for a, b in pairs],
+                            f"engine ceiling median {ceiling:.3g} GB/s" + (f"; {prof}" if prof else ""))
+    return measure
+
+
 def get_profile(rows: Sequence[Trial], system: str) -> str:
     """Where ``system``'s gets spent their time, from the same passes' rows (medians over passes of each part's
     share of the gets' summed time): the profile a missed bandwidth goal is read against. "" where no row
@@ -216,6 +235,16 @@ get_latency_ratio = tq_get_ratio("knittrans-ray")
 # -- claims ----------------------------------------------------------------------------------------------------
 
 T, MM = "transfer-text", "transfer-multimodal"
+CEILING_SYSTEM = "engine-ceiling"
+CEILING = ("per pass, the data-plane get bandwidth of {system} (as in ray_fraction_of_memcpy) / the engine ceiling's in "
+           "the same pass: the same units' objects (the same stream and completion puts of the same batch, the same "
+           "share assignment), their refs and byte ranges handed to the same rank actors at t0 (no claim, no "
+           "admission, no puts completing beside the reads), one ray.get and one pack per share by the same "
+           "pack_runs; median over K passes, [min, max]; range [0, ~1]")
+DRAIN = ("the handoff's drain on Ray (knittrans-ray-drain: every trajectory put and every mini-batch admitted before "
+         "t0; then each rank actor iterates its prefetching Consumer, acks each share, no compute): the slowest "
+         "rank's share bytes over its own time from its first ask to its last share, / single-thread memcpy in the "
+         "same run; median over K passes, [min, max]")
 SAME_LAYOUT = ("both on Ray: the same trainer-rank actors (one process each), the same seeded trajectories at the same "
                "positions of each pass, the same emulated compute (matmuls per token, calibrated once per run), the "
                "same rollout clock (batch b+1 completes when rank 0 starts step M - lead_steps of batch b); what "
@@ -286,6 +315,18 @@ CLAIMS: tuple[Claim, ...] = (
           + ". Gate bound 0.003 at CI size (512 trajectories, one raw pass per pass): 0.006-0.024 on a loaded 2-core "
           "machine; reading one trajectory per unit call (one actor round trip each) gives 0.0007",
           memcpy_fraction("knittrans-ray", "get_gbps"), bound=Bound(">=", 0.25), gate=Bound(">=", 0.003)),
+    Claim("ray_fraction_of_ceiling", T, ClaimKind.TARGET, "(issue 25) >= 0.7 of the engine's ceiling", "x ceiling",
+          CEILING.format(system="knittrans-ray"), ceiling_fraction("knittrans-ray"), bound=Bound(">=", 0.7)),
+    Claim("ceiling_fraction_of_memcpy", T, ClaimKind.MEASUREMENT, "(context)", "x memcpy",
+          MEMCPY_FRACTION.format(system=CEILING_SYSTEM + " (refs handed over, one ray.get, one pack)"),
+          memcpy_fraction(CEILING_SYSTEM, "get_gbps")),
+    Claim("inproc_fraction_of_ceiling", T, ClaimKind.MEASUREMENT, "(context)", "x ceiling",
+          CEILING.format(system="knittrans-inproc (threads of one process: a different layout)"),
+          ceiling_fraction("knittrans-inproc")),
+    Claim("tq_fraction_of_ceiling", T, ClaimKind.MEASUREMENT, "(context)", "x ceiling",
+          CEILING.format(system="transferqueue (one kv_batch_get per share)"), ceiling_fraction("transferqueue")),
+    Claim("drain_fraction_of_memcpy", T, ClaimKind.TARGET, "(issue 25) >= 0.2 of memcpy per rank", "x memcpy", DRAIN,
+          memcpy_fraction("knittrans-ray-drain", "rank_gbps"), bound=Bound(">=", 0.2)),
     Claim("inproc_raw_fraction_of_memcpy", T, ClaimKind.MEASUREMENT, "(context)", "x memcpy",
           RAW_FRACTION.format(system="knittrans-inproc"), memcpy_fraction("knittrans-inproc", "gbps")),
     Claim("ray_raw_fraction_of_memcpy", T, ClaimKind.MEASUREMENT, "(context)", "x memcpy",

@@ -1,0 +1,118 @@
+"""The engine's own ceiling for KnitTrans's read path, measured on the same bytes in the same run.
+
+What Ray itself allows a rank for a share whose rows live in the units' object-store objects: the refs and byte
+ranges handed over (no claim, no control path), one ``ray.get`` of the refs, one copy of each run into the rank's
+buffer (``client.pack_runs``, the very code KnitTrans's ranks run). The objects are the ones KnitTrans's own
+units make for the same puts (a ``build_ray`` plane, the same stream and completion puts, the same share
+assignment), so the only difference from ``knittrans-ray`` is the control path: claims, admission, acks and the
+contention of the puts that complete at t0. A system's get bandwidth as a fraction of this one is what its design
+leaves on the table (``repro.spec.transfer``: ``ray_fraction_of_ceiling``).
+
+The raw pass: before t0 every field is put and every mini-batch admitted and claimed (untimed); at t0 each rank
+actor gets its shares' runs as a call argument and reads them one after another (``RunsSource``). Its steady pass
+is empty (nothing to hide behind: the ceiling is a raw-pass number).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from knittrans.bench.types import COMPLETION_FIELDS, BenchLayout, Obtained, PassData, PassKind, PassResult
+from knittrans.dataplane.types import MiniBatchKey, ShareLocation, TrajectoryPayload
+
+
+@dataclass
+class RunsSource:
+    """A rank's shares as runs handed over by the driver (``StepSource``): step i resolves share i's sources with
+    one ``ray.get`` and packs its runs, timed as a KnitTrans get is (claim 0, read, pack, pack CPU)."""
+
+    locs: tuple[ShareLocation, ...]
+    plane: object  # the RayDataPlane whose client packs (its schema and prepare options)
+    _client: object = field(default=None, repr=False)
+    _held: dict = field(default_factory=dict, repr=False)
+
+    def open(self, rank: int) -> None:
+        self._client = self.plane.client()
+
+    def obtain(self, step: int) -> Obtained:
+        from knittrans.dataplane.client import pack_runs
+
+        loc, c = self.locs[step], self._client
+        t1 = time.perf_counter()
+        objects = c.getter.resolve(loc.runs)
+        t2, c2 = time.perf_counter(), time.thread_time()
+        share = pack_runs(loc, objects, c.schema, c.prepare, c.pack_pool())
+        t3, c3 = time.perf_counter(), time.thread_time()
+        del objects
+        self._held[step] = share
+        return Obtained(share.nbytes, share.num_tokens, t3 - t1, parts=(0.0, t2 - t1, t3 - t2, c3 - c2))
+
+    def release(self, step: int) -> None:
+        self._held.pop(step, None)
+
+    def close(self) -> None:
+        self._held.clear()
+
+
+class EngineCeilingSystem:
+    """``TransferSystem`` of the engine ceiling (see the module docstring); raw passes only (``run_steady``
+    raises: the ceiling has no rollout clock to hide behind)."""
+
+    def __init__(self, name: str, layout: BenchLayout, session) -> None:  # noqa: ANN001 - a RaySession
+        self.name, self.layout, self.session = name, layout, session
+        self._plane = None
+
+    def _dp(self, d: PassData):  # noqa: ANN202 - the RayDataPlane, built on first use
+        if self._plane is None:
+            from knittrans.dataplane.ray_transport import build_ray
+            from knittrans.handoff import HandoffConfig
+
+            schema = HandoffConfig.grpo(len(d.plan.groups), d.group_size, d.num_minibatches,
+                                        d.max_response_len).resolved_schema
+            self._plane = build_ray(schema, dict(self.layout.unit_nodes), self.layout.rank_nodes,
+                                    controller_restarts=0)
+        return self._plane
+
+    def run_steady(self, batches, iters_per_token: float) -> PassResult:  # noqa: ANN001
+        """No steady pass: an empty result (no exposed latency is measured for the ceiling)."""
+        return PassResult(PassKind.STEADY)
+
+    def run_raw(self, batch: PassData) -> PassResult:
+        import ray
+
+        from knittrans.bench.loop import finish_raw
+        from knittrans.bench.ray_ranks import RankRun
+
+        dp = self._dp(batch)
+        by_unit: dict[str, list] = {}
+        for r in batch.rollouts:
+            by_unit.setdefault(self.layout.unit(batch.producer_of[r.traj.traj_id]), []).append(r)
+        for unit, rs in by_unit.items():  # as KnitTrans's units get them: the streamed fields, then completion's
+            dp.client(unit).put([TrajectoryPayload(r.traj.traj_id, {k: v for k, v in r.tensors.items()
+                                                                     if k not in COMPLETION_FIELDS}) for r in rs])
+            dp.client(unit).put([TrajectoryPayload(r.traj.traj_id, {k: r.tensors[k] for k in COMPLETION_FIELDS})
+                                 for r in rs])
+        ctrl, fields = dp.controller, dp.schema.names
+        locs: list[list[ShareLocation]] = [[] for _ in range(self.layout.num_ranks)]
+        for mb in batch.minibatches:
+            ctrl.admit(mb)
+            for r in range(self.layout.num_ranks):
+                locs[r].append(ctrl.claim(MiniBatchKey(mb.batch_id, mb.index), r, fields))
+        if any(loc.runs is None for ls in locs for loc in ls):
+            raise RuntimeError(f"{self.name}: some share has no direct runs (a put below the object threshold?)")
+        m = len(batch.minibatches)
+        sources = [RunsSource(tuple(ls), dp) for ls in locs]
+        t0 = time.perf_counter()
+        traces = ray.get([rk.run.remote(src, RankRun(1, m, 0.0)) for rk, src in zip(self.session.ranks, sources)])
+        res = finish_raw(traces, t0)
+        for ls in locs:  # consumed: release the batch so the units drop it
+            for loc in ls:
+                ctrl.ack(loc.key, loc.rank, loc.fields)
+        dp.wait_drained(timeout=600)
+        return res
+
+    def close(self) -> None:
+        if self._plane is not None:
+            self._plane.close()
+            self._plane = None
