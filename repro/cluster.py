@@ -66,6 +66,10 @@ class ClusterConfig:
     """Object store of each raylet of the cluster."""
     calibration_mib: list[int] = field(default_factory=lambda: [4, 16, 48])
     """Sizes of the single-flow calibration pulls before each multi-raylet pass (two at once: 32 MiB each)."""
+    calibration_repeats: int = 3
+    """Calibration repeats before each pass; the pass's link is the median repeat's fit
+    (``cluster_model.fit_link_repeats``). 1 until issue 25: the fit's verdict then flipped between two runs of the
+    same code with the one calibration's swing (docs/experiments.md)."""
     bandwidths_gbps: list[float] = field(default_factory=lambda: [3.0, 6.25, 12.5, 25.0])
     """Projection: NIC bandwidth per direction (GB/s)."""
     ranks: list[int] = field(default_factory=lambda: [4, 8, 16])
@@ -174,7 +178,7 @@ def multi_raylet_trace(cfg: ClusterConfig, src, meta: dict):  # noqa: ANN001, AN
                 for i, s in enumerate(systems):
                     s.run_raw(src.make(50 + i, 1))
                 for p in range(cfg.passes):
-                    cal[p] = calibrate(cluster.node_ids, sizes, repeats=1)
+                    cal[p] = calibrate(cluster.node_ids, sizes, repeats=cfg.calibration_repeats)
                     order = systems[p % len(systems):] + systems[:p % len(systems)]
                     base = 100 * (p + 1)  # fresh batch ids per pass (data is consumed once)
                     recs = interleaved_passes(order, 1, lambda uid, slot: src.make(base + uid, slot), 1, 0.0,

@@ -111,7 +111,9 @@ def calibrate(node_ids: list[str], sizes: tuple[int, ...] = (4 << 20, 16 << 20, 
               concurrent_bytes: int = 32 << 20) -> list[FlowEvent]:
     """Calibration pulls between the first three non-driver nodes (a, b, c) and the driver's (d = node 0): single
     flows a->b, d->c, b->d of each size ``repeats`` times (key "single/<i>"); then two at once: a->d and b->d
-    (key "in/<i>"), d->b and d->c ("out/<i>"), a->b and c->d ("disjoint/<i>"), ``concurrent_bytes`` each."""
+    (key "in/<i>"), d->b and d->c ("out/<i>"), a->b and c->d ("disjoint/<i>"), ``concurrent_bytes`` each. With
+    ``repeats`` > 1 the keys name the repeat ("single/r<k>/<i>"): the fit takes the median repeat's link
+    (``cluster_model.fit_link_repeats``)."""
     if len(node_ids) < 4:
         raise ValueError(f"calibrate needs a driver node and three more, got {len(node_ids)} nodes")
     d, a, b, c = node_ids[:4]
@@ -122,15 +124,16 @@ def calibrate(node_ids: list[str], sizes: tuple[int, ...] = (4 << 20, 16 << 20, 
 
     def round_(kind: str, pairs: list[tuple[str, str]], nbytes: int) -> None:
         nonlocal i
+        tag = f"{kind}/r{rep}" if repeats > 1 else kind
         refs = [probes[s].make.remote(nbytes) for s, _ in pairs]
         ray.wait(refs, num_returns=len(refs), fetch_local=False, timeout=120)  # created at their sources
         times = ray.get([probes[t].pull.remote([r]) for (_, t), r in zip(pairs, refs)], timeout=300)
-        out.extend(FlowEvent("calibration", s, t, nbytes, t0, t1, f"{kind}/{i}") for (s, t), (t0, t1)
+        out.extend(FlowEvent("calibration", s, t, nbytes, t0, t1, f"{tag}/{i}") for (s, t), (t0, t1)
                    in zip(pairs, times))
         i += 1
         del refs
 
-    for _ in range(repeats):
+    for rep in range(repeats):
         for nbytes in sizes:
             for pair in ((a, b), (d, c), (b, d)):
                 round_("single", [pair], nbytes)

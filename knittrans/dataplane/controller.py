@@ -185,8 +185,10 @@ class Controller:
         with self._cv:
             records = self._strip_repeats_locked(records)
             seen: set[tuple[int, str]] = set()
-            skip = {r.traj_id for r in records if (r.traj_id in self._trajs and self._consumed_since_loss(r.traj_id))
-                    or r.traj_id in self._consumed_after_loss}
+            # re-puts not needed: trajectories consumed since they went missing (their rank read them before the
+            # unit died), or released while missing
+            skip = {r.traj_id for r in records if r.traj_id in self._consumed_after_loss or (
+                r.traj_id in self._trajs and self._trajs[r.traj_id].unit_id is None and r.traj_id not in self._missing)}
             for r in records:
                 if r.unit_id not in self.unit_nodes:
                     raise AdmissionStateError(f"put of trajectory {r.traj_id} to unknown unit {r.unit_id!r}")
@@ -512,34 +514,29 @@ class Controller:
         """Wait for the ``seq``-th admitted mini-batch, then claim rank ``rank``'s share of it (one round trip
         for a prefetcher on a remote controller). ``TimeoutError`` if it is not admitted in time; nothing is
         claimed then."""
-        t_wait = time.perf_counter()
-        adm = self.next_admitted(seq, timeout)
-        if self._missing:  # wait for the re-put of a share's lost trajectories (never hand out part of it)
-            share = adm.shares[rank] if 0 <= rank < self.num_ranks else ()
-            with self._cv:
-                ok = self._cv.wait_for(lambda: self._closed or not self._missing.intersection(share), timeout)
-                if not ok:
-                    raise TimeoutError(f"mini-batch #{seq} rank {rank}: lost trajectories not re-put within "
-                                       f"{timeout} s")
-        waited = time.perf_counter() - t_wait
-        return dataclasses.replace(self.claim(adm.key, rank, fields, epoch), waited_s=waited)
+        return self.claim_many(seq, rank, fields, 1, timeout, epoch)[0]
 
     def claim_many(self, seq: int, rank: int, fields: Sequence[str], limit: int, timeout: float | None = None,
                    epoch: int | None = None) -> tuple[ShareLocation, ...]:
         """The long poll of a rank's feed (``knittrans.dataplane.feed``): wait for the ``seq``-th admitted
-        mini-batch (as ``claim_next``), then claim rank ``rank``'s shares of it and of every later mini-batch
-        admitted by now, at most ``limit`` of them, in admission order. One round trip hands a rank every share
-        admitted since its last call. ``TimeoutError`` (nothing claimed) if #``seq`` is not admitted in time; a later
-        share that cannot be claimed now (a lost trajectory not re-put yet) ends the list instead of failing it."""
+        mini-batch and for the re-put of any of the share's lost trajectories (a share is never handed out in
+        part), then claim rank ``rank``'s shares of it and of every later mini-batch admitted by now, at most
+        ``limit``, in admission order (the first with ``waited_s``). One round trip hands a rank every share
+        admitted since its last call. ``TimeoutError`` (nothing claimed) if #``seq`` is not admitted in time; a
+        later share that cannot be claimed now ends the list instead of failing it."""
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise AdmissionStateError(f"claim_many: limit must be an int >= 1, got {limit!r}")
-        out = [self.claim_next(seq, rank, fields, timeout, epoch)]
+        t_wait = time.perf_counter()
+        adm = self.next_admitted(seq, timeout)
         with self._cv:
+            share = adm.shares[rank] if 0 <= rank < self.num_ranks else ()
+            if not self._cv.wait_for(lambda: self._closed or not self._missing.intersection(share), timeout):
+                raise TimeoutError(f"mini-batch #{seq} rank {rank}: lost trajectories not re-put within {timeout} s")
+            first = self.claim(adm.key, rank, fields, epoch)
+            out = [dataclasses.replace(first, waited_s=time.perf_counter() - t_wait)]
             for s in range(seq + 1, seq + limit):
-                if len(self._log) <= s:
-                    break
-                st = self._mbs.get(self._log[s])
-                if st is None or any(self._trajs[t].unit_id is None for t in st.admitted.shares[rank]):
+                st = self._mbs.get(self._log[s]) if s < len(self._log) else None
+                if st is None or self._missing.intersection(st.admitted.shares[rank]):
                     break
                 try:
                     out.append(self.claim(st.admitted.key, rank, fields, epoch))
@@ -573,10 +570,8 @@ class Controller:
                         self._missing.discard(t)  # read before its unit died: consumed, nothing to re-put
                 if self._missing.intersection(st.admitted.traj_ids):
                     return ()  # a rank still needs a re-put: not every rank can have consumed it
-            for r, share in enumerate(st.admitted.shares):
-                produced = set.intersection(*(set(self._trajs[t].fields) for t in share)) if share else set()
-                if any((r, n) not in st.acked for n in produced):
-                    return ()
+            if any((r, n) not in st.acked for r in range(self.num_ranks) for n in self._produced(st, r)):
+                return ()
             st.released = True
             self._released += 1
             self._missing.difference_update(st.admitted.traj_ids)
@@ -632,11 +627,6 @@ class Controller:
                                        f"delivery)")
 
     # -- faults and recovery (docs/reliability.md) -----------------------------------------------------------
-
-    def _consumed_since_loss(self, t: int) -> bool:
-        """A trajectory that went missing but whose mini-batch has been fully consumed since (its rank had read
-        it before the unit died): a re-put of it is not needed."""
-        return self._trajs[t].unit_id is None and t not in self._missing
 
     def lose_unit(self, unit_id: str) -> tuple[int, ...]:
         """Unit ``unit_id`` is gone with everything it held. Every trajectory on it that is not yet released

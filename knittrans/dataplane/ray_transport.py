@@ -641,19 +641,25 @@ class ParallelRayGetter:
         referenced). A source whose owner -- its unit -- died raises ``UnitLostError`` naming that unit; past the
         deadline ``ReadTimeoutError``."""
         rec = trace.active()
-        t0 = time.perf_counter()
+        refs = list(runs.sources)
+        deadline = None if self.read_timeout_s is None else time.monotonic() + self.read_timeout_s
+        if rec is not None:  # a multi-node run's trace: the lookup ("source"), one pull per object, the map ("deser")
+            pulls, t_local = self._traced_wait(rec, refs, time.perf_counter(), deadline)
         try:
-            objects = ray.get(list(runs.sources), timeout=self.read_timeout_s)
+            objects = ray.get(refs, timeout=_left(deadline))
         except ray.exceptions.GetTimeoutError:
             raise ReadTimeoutError(f"units {sorted(set(runs.source_units))} did not answer a read within "
                                    f"{self.read_timeout_s} s (the claim is undone; retry, or report the unit "
                                    f"lost)") from None
         except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError, ray.exceptions.RayActorError):
             raise UnitLostError(self._lost_unit(runs), "its stored objects are lost") from None
-        if rec is not None:  # a multi-node run's trace: each object as it arrived here (one get: its span)
-            dst, key, t1 = ray.get_runtime_context().get_node_id(), trace.current_key(), time.perf_counter()
-            for u, arrays in zip(runs.source_units, objects):
-                rec.add(trace.FlowEvent("read", u, dst, sum(int(a.nbytes) for a in arrays), t0, t1, key))
+        if rec is not None:
+            dst, key, t_end = ray.get_runtime_context().get_node_id(), trace.current_key(), time.perf_counter()
+            rec.add(trace.CpuEvent("deser", dst, t_local, t_end, key))
+            for ref, u, arrays, (a, b) in zip(refs, runs.source_units, objects, pulls):
+                if ref.binary() not in _TRACED_PULLS:  # a whole object crosses once, then stays in this node's store
+                    _TRACED_PULLS.add(ref.binary())
+                    rec.add(trace.FlowEvent("read", u, dst, sum(int(x.nbytes) for x in arrays), a, b, key))
         return objects
 
     @staticmethod
@@ -705,6 +711,9 @@ class ParallelRayGetter:
             arrived[ready[0]] = time.perf_counter()
         now = time.perf_counter()
         return [(t_created, arrived.get(r, now)) for r in refs], max(arrived.values(), default=now)
+
+
+_TRACED_PULLS: set[bytes] = set()  # objects this process read while tracing (their later reads move no bytes)
 
 
 def _left(deadline: float | None) -> float | None:

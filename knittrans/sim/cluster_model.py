@@ -204,6 +204,19 @@ def fit_link(calibration: Sequence[FlowEvent], host_cap: bool = True) -> LinkFit
     return LinkFit(link, s_err, float(np.median(c_err)) if c_err else math.nan)
 
 
+def fit_link_repeats(calibration: Sequence[FlowEvent], host_cap: bool = True) -> LinkFit:
+    """``fit_link`` per calibration repeat (keys "<kind>/r<k>/<i>", ``bench.cluster.calibrate``), and the fit of
+    the repeat whose bandwidth is the median (the lower one of an even count): one slow or fast repeat -- another
+    job's burst on a shared machine -- no longer decides the pass's link. A calibration without repeat tags (one
+    repeat; the recorded fixtures) is one fit."""
+    reps: dict[str, list[FlowEvent]] = {}
+    for e in calibration:
+        parts = e.key.split("/")
+        reps.setdefault(parts[1] if len(parts) == 3 else "", []).append(e)
+    fits = sorted((fit_link(evs, host_cap) for evs in reps.values()), key=lambda f: f.link.bandwidth_Bps)
+    return fits[(len(fits) - 1) // 2]
+
+
 def _round_meas(fs: Sequence[FlowEvent]) -> float:
     return max(f.t_end for f in fs) - min(f.t_start for f in fs)
 

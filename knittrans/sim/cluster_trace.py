@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from knittrans.dataplane.trace import CpuEvent, FlowEvent, TraceEvent
-from knittrans.sim.cluster_model import LinkFit, Prediction, fit_link, predict_pass
+from knittrans.sim.cluster_model import LinkFit, Prediction, fit_link_repeats, predict_pass
 
 
 @dataclass(frozen=True)
@@ -114,9 +114,10 @@ class PassCheck:
 
 
 def validate(trace: ClusterTrace, host_cap: bool = True) -> list[PassCheck]:
-    """Per pass: fit the link on that pass's calibration, replay each system's pass."""
+    """Per pass: fit the link on that pass's calibration (the median repeat's, ``fit_link_repeats``), replay each
+    system's pass."""
     out = []
-    fits = {p: fit_link(evs, host_cap) for p, evs in trace.calibration.items()}
+    fits = {p: fit_link_repeats(evs, host_cap) for p, evs in trace.calibration.items()}
     for r in trace.passes:
         if r.pass_index not in fits:
             raise ValueError(f"pass {r.pass_index} has no calibration in the trace")

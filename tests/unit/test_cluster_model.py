@@ -85,6 +85,20 @@ def test_fit_link_leaves_out_a_host_cap_that_does_not_bind():
     assert fit.link.host_Bps is None
 
 
+def test_one_slow_calibration_repeat_does_not_decide_the_link():
+    """``fit_link_repeats``: three repeats, one of them at half the bandwidth (another job's burst): the pass's link
+    is the median repeat's, not the slow one's nor a blend of the three."""
+    import dataclasses
+
+    from knittrans.sim.cluster_model import fit_link_repeats
+
+    def tagged(link: LinkModel, rep: int) -> list[FlowEvent]:
+        return [dataclasses.replace(e, key=e.key.replace("/", f"/r{rep}/", 1)) for e in _calibration(link)]
+    reps = tagged(LinkModel(5e8, 0.01), 0) + tagged(LinkModel(2.5e8, 0.01), 1) + tagged(LinkModel(5.2e8, 0.01), 2)
+    assert fit_link_repeats(reps).link.bandwidth_Bps == pytest.approx(5e8, rel=1e-6)
+    assert fit_link_repeats(_calibration(LinkModel(4e8, 0.01))).link.bandwidth_Bps == pytest.approx(4e8, rel=1e-6)
+
+
 def test_fit_link_needs_two_sizes():
     one = [FlowEvent("calibration", "a", "b", 100, 0.0, 1.0, "single/0"),
            FlowEvent("calibration", "a", "b", 100, 2.0, 3.0, "single/1")]
