@@ -29,7 +29,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar, Mapping, Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -453,7 +453,7 @@ class DataPlaneClient:
         c2 = time.thread_time()
         try:
             if direct:
-                share = pack_runs(loc, objects, self.schema, self.prepare, self.pack_pool())
+                share = self._pack_runs(loc, objects)
                 del objects  # the object-store views: the share holds its own bytes now
                 if loc.checksums:
                     from knittrans.dataplane.faults import verify_share
@@ -480,9 +480,16 @@ class DataPlaneClient:
             self._ack(loc.key, loc.rank, loc.fields, _fence(loc.epoch))
         return share
 
-    reads_through_units: ClassVar[bool] = False
-    """Whether this client's shares are read through their units (round trips: ``MMClient``) rather than straight
-    from their sources (``pack_runs``); the prefetcher overlaps several shares' reads only then."""
+    @property
+    def reads_through_units(self) -> bool:
+        """Whether this client's shares are read through their units (round trips) rather than straight from their
+        sources (``pack_runs``; ``PrepareConfig.direct_reads``); the prefetcher overlaps several shares' reads only
+        then."""
+        return not self.prepare.direct_reads
+
+    def _pack_runs(self, loc: ShareLocation, objects: Sequence[Sequence[np.ndarray]]) -> PackedShare:
+        """Pack a share read straight from its sources (``pack_runs``; ``MMClient`` adds the distinct images)."""
+        return pack_runs(loc, objects, self.schema, self.prepare, self.pack_pool())
 
     def _resolve(self, runs: ShareRuns) -> Sequence[Sequence[np.ndarray]]:
         """The arrays of each of the share's sources: in process the sources themselves; on Ray one ``ray.get``

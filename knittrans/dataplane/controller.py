@@ -44,7 +44,7 @@ from knittrans.dataplane.sources import SourceTable, Where
 from knittrans.dataplane.types import (AdmissionStateError, AdmittedMiniBatch, AlreadyConsumedError,
                                        DataLostError, DataPlaneClosedError, DataPlaneError, DuplicatePutError,
                                        EndOfStream, FencedError, FieldNotProducedError, MiniBatchKey, PutRecord,
-                                       ShareLocation, TrajectorySchema, UnknownMiniBatchError)
+                                       ShareLocation, ShareRuns, TrajectorySchema, UnknownMiniBatchError)
 from knittrans.types import BatchPlan, MiniBatch, Trajectory
 
 if TYPE_CHECKING:  # the admission package is only needed when a policy is passed in
@@ -418,6 +418,10 @@ class Controller:
         self._cv.notify_all()
         return adm
 
+    def _share_runs(self, traj_ids: Sequence[int], fields: Sequence[str], rank: int) -> ShareRuns | None:
+        """Hook: a claimed share's runs (lock held; ``MMController`` adds the distinct images)."""
+        return self._sources.runs([self._trajs[t].where for t in traj_ids], fields)
+
     def _assign(self, items: Sequence[ShareItem], mb: MiniBatch) -> tuple[tuple[int, ...], ...]:
         """Split an admitted mini-batch into per-rank shares (lock held). A subclass may refine it, e.g.
         ``knittrans.mmdedup.plane.MMController`` keeps GRPO groups whole."""
@@ -506,8 +510,7 @@ class Controller:
                                  unit_ids=tuple(self._trajs[t].unit_id or "" for t in traj_ids),
                                  fields=tuple(fields), nbytes=nbytes, checksums=sums, seq=st.admitted.seq,
                                  group_ids=st.admitted.group_ids,
-                                 epoch=-1 if epoch is None else epoch,
-                                 runs=self._sources.runs([self._trajs[t].where for t in traj_ids], fields))
+                                 epoch=-1 if epoch is None else epoch, runs=self._share_runs(traj_ids, fields, rank))
 
     def claim_next(self, seq: int, rank: int, fields: Sequence[str], timeout: float | None = None,
                    epoch: int | None = None) -> ShareLocation:

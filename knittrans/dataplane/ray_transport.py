@@ -155,7 +155,7 @@ class UnitHost:
         ref = ray.put(tuple(arrays))
         stored = ray.get(ref)
         payloads = from_wire(join_arrays(wire, stored))
-        records = self.unit.put(payloads, copy=False)
+        records = self._put_views(payloads)
         layout = array_layout(wire, "tensors")
         rows, out = [], []
         col = {} if layout is None else {k: layout[1] + j for j, k in enumerate(layout[0])}
@@ -163,9 +163,9 @@ class UnitHost:
             where = []
             for fm in r.fields:
                 c = col.get(fm.name)
-                view = p.tensors[fm.name]
-                if c is None or fm.name in r.repeated or view.flags.writeable:
-                    where.append(None)  # not a stored view of the object (a repeat, or copied by the unit)
+                view = p.tensors.get(fm.name)
+                if c is None or view is None or fm.name in r.repeated or view.flags.writeable:
+                    where.append(None)  # not a stored view of the object (a repeat, or written by the unit)
                     continue
                 step = stored[c].strides[0] if stored[c].ndim else stored[c].itemsize
                 j = c - layout[1]
@@ -175,6 +175,10 @@ class UnitHost:
             out.append(dataclasses.replace(r, source=ref, where=tuple(where)) if located else r)
         self._objects().add(ref, rows)
         return WireList(out)
+
+    def _put_views(self, payloads: list[TrajectoryPayload]) -> list[PutRecord]:
+        """Store payloads whose arrays are read-only views of this unit's object (``put_stored``)."""
+        return self.unit.put(payloads, copy=False)
 
     def _objects(self) -> StoredObjects:
         if not hasattr(self, "_stored"):

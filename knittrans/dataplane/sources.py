@@ -85,6 +85,13 @@ class SourceTable:
     def runs(self, rows: Sequence[Mapping[str, Where]], fields: Sequence[str]) -> ShareRuns | None:
         """The runs of a share whose trajectories' rows are ``rows`` (in share order), or None unless every
         requested field of every trajectory has a location. Rows back to back in one array merge into one run."""
+        got = self.runs_with(rows, fields, ())
+        return None if got is None else got[0]
+
+    def runs_with(self, rows: Sequence[Mapping[str, Where]], fields: Sequence[str], extra: Sequence[Where]
+                  ) -> tuple[ShareRuns, np.ndarray] | None:
+        """``runs``, plus ``extra`` rows (e.g. a multimodal share's distinct images) as (source, array, first byte,
+        end byte) rows indexing the same ``sources``."""
         index: dict[int, int] = {}
         runs, sizes = [], []
         for name in fields:
@@ -104,6 +111,8 @@ class SourceTable:
                 nb[i] = b - a
             runs.append(np.array(out, dtype=np.int64).reshape(-1, 4))
             sizes.append(nb)
+        more = np.array([(index.setdefault(key, len(index)), col, a, b) for key, col, a, b in extra],
+                        dtype=np.int64).reshape(-1, 4)
         keys = list(index)
         return ShareRuns(tuple(self._sources[k][0] for k in keys), tuple(self._sources[k][1] for k in keys),
-                         tuple(runs), tuple(sizes))
+                         tuple(runs), tuple(sizes)), more

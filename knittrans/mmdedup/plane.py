@@ -61,13 +61,15 @@ import torch
 
 from knittrans.dataplane.assign import ShareItem, assign_shares
 from knittrans.dataplane.buffers import aligned
-from knittrans.dataplane.client import DataPlaneClient, PrepareConfig, pack_share
+from knittrans.dataplane.client import DataPlaneClient, PrepareConfig, pack_runs, pack_share
 from knittrans.dataplane.controller import Controller, ControllerConfig
 from knittrans.dataplane.inprocess import InProcessDataPlane
 from knittrans.dataplane.recovery import ControllerJournal
 from knittrans.dataplane.storage import StorageUnit, validate_payload
-from knittrans.dataplane.types import (DataPlaneError, DuplicatePutError, FieldSpec, MiniBatchKey, PackedShare,
-                                       PutRecord, SchemaMismatchError, ShareLocation, TrajectoryPayload,
+from knittrans.dataplane.sources import Where
+from knittrans.dataplane.types import (DataPlaneError, DuplicatePutError, FieldSpec, MiniBatchKey, PackedField,
+                                       PackedShare,
+                                       PutRecord, SchemaMismatchError, ShareLocation, ShareRuns, TrajectoryPayload,
                                        TrajectorySchema, UnitChunk)
 from knittrans.mmdedup.gather import ImageSet
 from knittrans.mmdedup.keys import (EncodingInputError, HashFn, ImageKey, check_encoding, check_finite_pixels,
@@ -110,6 +112,10 @@ class MMPutRecord(PutRecord):
     images: tuple[ImageKey, ...] | None = None
     """One key per image occurrence (placeholder order); None when this put carried no images or the unit keeps
     every occurrence apart (``dedup=False``: no cross-unit dedup either)."""
+    image_where: tuple[tuple[object, int, int, int], ...] | None = None
+    """Per image occurrence, where the unit keeps its bytes: (source, array of it, first byte, end byte) -- a
+    one-array tuple of the stored encoding in process, the unit's object of the put's images on Ray -- so a rank
+    reads each distinct image of its share straight from it (``MMShareRuns``); None when this put carried none."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,25 @@ class MMUnitChunk(UnitChunk):
     keys: tuple[ImageKey, ...] = ()
     """``keys[i]``: the content key of ``pixels[i]`` (empty when the unit keeps no keys, ``dedup=False``)."""
     borrowed: tuple[ImageKey, ...] = ()
+
+
+@dataclass(frozen=True)
+class MMShareRuns(ShareRuns):
+    """A multimodal share read straight from its units' sources: ``runs`` cover ``field_names`` (the requested
+    fields but ``image_index``, which the rank builds); ``images[i]`` is the (source, array, first byte, end byte)
+    of the share's i-th distinct image, ``image_keys[i]`` its dtype, shape and grid; ``image_index`` the
+    per-occurrence index into them, ``image_counts`` each trajectory's occurrences (share order)."""
+
+    field_names: tuple[str, ...] = ()
+    images: np.ndarray = field(default_factory=lambda: np.zeros((0, 4), np.int64))
+    image_keys: tuple[ImageKey, ...] = ()
+    image_index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    image_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    occurrence_nbytes: int = 0
+
+
+_IMG = IMAGE_FIELD + "#"
+"""Prefix of the controller's per-occurrence image locations in a trajectory's ``where`` ("image_index#<i>")."""
 
 
 @dataclass(frozen=True)
@@ -179,14 +204,18 @@ class MMStorageUnit(StorageUnit):
         super().__init__(unit_id, node, schema)
         self.store = EncodingStore(hash_fn, dedup=dedup)
         self._occ: dict[int, tuple[tuple[EncodingRef, tuple[int, int, int]], ...]] = {}
+        self._where: dict[int, tuple[object, int, int, int]] = {}  # live slot -> where its bytes lie (``image_where``)
         self._group: dict[int, int] = {}  # trajectory -> its GRPO group (re-reported by ``manifest``)
         self._occ_lock = threading.Lock()
 
-    def put(self, payloads: Sequence[TrajectoryPayload]) -> list[PutRecord]:
-        """Like ``StorageUnit.put`` (all or nothing); an ``MMPayload`` also stores its images (one reference per
-        occurrence) and writes ``image_index``. A trajectory's images come with its first put, exactly once; a
-        later ``MMPayload`` without images (fields that arrive later, e.g. advantages at completion) is a plain
-        field put."""
+    def put(self, payloads: Sequence[TrajectoryPayload], copy: bool = True,
+            views: Mapping[int, tuple[object, int]] | None = None) -> list[PutRecord]:
+        """Like ``StorageUnit.put`` (all or nothing; ``copy`` as there); an ``MMPayload`` also stores its images (one
+        reference per occurrence) and writes ``image_index``. A trajectory's images come with its first put,
+        exactly once; a later ``MMPayload`` without images (fields that arrive later, e.g. advantages at
+        completion) is a plain field put. ``views``: the payloads' encodings are read-only views of this unit's
+        own object (a Ray unit's put: ``plane_ray.MMUnitHost``), by data pointer -> (object, array); they are
+        stored as they are and their slots lie there. Otherwise a new slot's bytes lie in its own stored copy."""
         with self._occ_lock:
             later = {p.traj_id for p in payloads
                      if isinstance(p, MMPayload) and not p.encodings and p.traj_id in self._occ}
@@ -214,7 +243,8 @@ class MMStorageUnit(StorageUnit):
                                         f"with different content or grids (each trajectory's images are put exactly "
                                         f"once; an identical retry is a no-op)")
         mm = [p for p in imaged if p.traj_id not in held]
-        flat = self.store.put([e for p in mm for e in p.encodings])  # one call: each shared view hashed once
+        # one call: each shared view hashed once; views of the unit's own object are stored as they are
+        flat = self.store.put([e for p in mm for e in p.encodings], copy=None if views is None else False)
         refs, at = [], 0
         for p in mm:
             refs.append(tuple(flat[at:at + len(p.encodings)]))
@@ -230,9 +260,9 @@ class MMStorageUnit(StorageUnit):
             if checked[i] is not None and p.traj_id in index:
                 checked[i] = {**checked[i], IMAGE_FIELD: full[i].tensors[IMAGE_FIELD]}
         try:
-            records = super().put(full, checked)
+            records = super().put(full, checked, copy=copy)
         except Exception:
-            self.store.release([r for rs in refs for r in rs])
+            self._release([r for rs in refs for r in rs])
             raise
         with self._occ_lock:
             raced = []
@@ -241,22 +271,48 @@ class MMStorageUnit(StorageUnit):
                     raced += rs
                 else:
                     self._occ[p.traj_id] = tuple(zip(rs, (tuple(int(x) for x in g) for g in p.grids)))
+        occ_of = {**{p.traj_id: tuple(zip(rs, (tuple(int(x) for x in g) for g in p.grids)))
+                     for p, rs in zip(mm, refs)}, **held}
         images: dict[int, tuple[ImageKey, ...]] = {}
         if self.store.dedup:  # content keys for the controller (strong digests: once per slot, cached)
-            occ_of = {**{p.traj_id: tuple(zip(rs, (tuple(int(x) for x in g) for g in p.grids)))
-                         for p, rs in zip(mm, refs)}, **held}
             images = {t: tuple(self._image_key(ref, grid) for ref, grid in occ) for t, occ in occ_of.items()}
+        where = {t: tuple(self._slot_where(ref, views) for ref, _ in occ) for t, occ in occ_of.items()}
         if raced:
-            self.store.release(raced)
+            self._release(raced)
         groups = {p.traj_id: p.group for p in payloads if isinstance(p, MMPayload)}
         with self._occ_lock:  # kept for ``manifest``: the payload's group, else its metadata's
             for p in payloads:
                 g = p.group if isinstance(p, MMPayload) and p.group >= 0 else getattr(p.meta, "group_id", None)
                 if g is not None and g >= 0:
                     self._group.setdefault(p.traj_id, int(g))
-        # Multimodal shares are read through the units (each unit names the images it ships): no direct sources.
-        return [MMPutRecord(**{f.name: getattr(r, f.name) for f in dc_fields(r) if f.name not in ("source", "where")},
-                            group=groups.get(r.traj_id), images=images.get(r.traj_id)) for r in records]
+        return [MMPutRecord(**{f.name: getattr(r, f.name) for f in dc_fields(r)}, group=groups.get(r.traj_id),
+                            images=images.get(r.traj_id), image_where=where.get(r.traj_id)) for r in records]
+
+    def _slot_where(self, ref: EncodingRef, views: Mapping[int, tuple[object, int]] | None
+                    ) -> tuple[object, int, int, int]:
+        """Where slot ``ref``'s bytes lie (``MMPutRecord.image_where``), recorded when the slot is first seen: the
+        unit's object (``views``) or the stored copy itself (a one-array source)."""
+        with self._occ_lock:
+            got = self._where.get(ref.slot)
+            if got is None:
+                t = self.store.get(ref)
+                at = None if views is None else views.get(t.data_ptr())
+                if at is not None:
+                    got = (at[0], at[1], 0, ref.nbytes)
+                else:
+                    got = ((t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().reshape(-1),
+                           0, 0, ref.nbytes)
+                    got = ((got[0],), 0, 0, ref.nbytes)
+                self._where[ref.slot] = got
+            return got
+
+    def _release(self, refs: Sequence[EncodingRef]) -> None:
+        """``store.release``, forgetting where the freed slots lay."""
+        self.store.release(refs)
+        with self._occ_lock:
+            for r in refs:
+                if r.slot in self._where and self.store.refcount(r) == 0:
+                    del self._where[r.slot]
 
     def _image_key(self, ref: EncodingRef, grid: tuple[int, int, int]) -> ImageKey:
         return ImageKey(self.store.strong_digest(ref), ref.key.dtype, ref.key.shape, grid)
@@ -322,7 +378,7 @@ class MMStorageUnit(StorageUnit):
                 refs = [ref for t in traj_ids for ref, _ in self._occ.pop(t, ())]
                 for t in traj_ids:
                     self._group.pop(t, None)
-            self.store.release(refs)
+            self._release(refs)
         return freed
 
     def manifest(self) -> list[PutRecord]:
@@ -349,7 +405,7 @@ class MMStorageUnit(StorageUnit):
             refs = [ref for occ in self._occ.values() for ref, _ in occ]
             self._occ.clear()
             self._group.clear()
-        self.store.release(refs)
+        self._release(refs)
         return freed
 
     def store_stats(self) -> StoreStats:
@@ -394,6 +450,54 @@ class MMController(Controller):
             imgs = getattr(r, "images", None)
             if imgs is not None:  # a later put without images (e.g. the advantages) keeps the keys
                 self._images[r.traj_id] = imgs
+            st, iw = self._trajs.get(r.traj_id), getattr(r, "image_where", None)
+            if st is not None and iw and st.unit_id == r.unit_id and _IMG + "0" not in st.where:
+                for i, (handle, col, a, b) in enumerate(iw):  # where each occurrence's bytes lie
+                    st.where.update(self._sources.add(handle, r.unit_id, [(f"{_IMG}{i}", (col, a, b))]))
+        self._sources.end_put()
+
+    def _share_runs(self, traj_ids: Sequence[int], fields: Sequence[str], rank: int) -> ShareRuns | None:
+        """With ``image_index`` requested: the other fields' runs and the share's distinct images, each once (the
+        copy on the rank's node when one is there, else the first holder's; without ``cross_unit`` once per unit),
+        or None unless every trajectory's fields and images have locations and content keys (a ``dedup=False``
+        unit's or a rebuilt controller's trajectories are then read through their units)."""
+        if IMAGE_FIELD not in fields:
+            return super()._share_runs(traj_ids, fields, rank)
+        rest = tuple(n for n in fields if n != IMAGE_FIELD)
+        rank_node = self.config.rank_nodes[rank]
+        picked: dict[object, int] = {}  # distinct image -> its index in the share
+        where: list[Where] = []
+        at_unit: list[str] = []
+        keys: list[ImageKey] = []
+        index, counts, occ_bytes = [], np.zeros(len(traj_ids), np.int64), 0
+        for j, t in enumerate(traj_ids):
+            st = self._trajs[t]
+            ks = self._images.get(t)
+            n = st.fields.get(IMAGE_FIELD, 0) // np.dtype(np.int64).itemsize
+            if ks is None or len(ks) != n or any(f"{_IMG}{i}" not in st.where for i in range(n)):
+                return None
+            for i, k in enumerate(ks):
+                w = st.where[f"{_IMG}{i}"]
+                ident = k if self.cross_unit else (st.unit_id, k)
+                at = picked.get(ident)
+                if at is None:
+                    at = picked[ident] = len(where)
+                    where.append(w)
+                    at_unit.append(st.unit_id or "")
+                    keys.append(k)
+                elif (self.unit_nodes.get(st.unit_id or "") == rank_node
+                      and self.unit_nodes.get(at_unit[at]) != rank_node):
+                    where[at], at_unit[at] = w, st.unit_id or ""  # a copy on the rank's node: no network
+                index.append(at)
+                counts[j] += 1
+                occ_bytes += w[3] - w[2]
+        got = self._sources.runs_with([self._trajs[t].where for t in traj_ids], rest, where)
+        if got is None:
+            return None
+        runs, images = got
+        return MMShareRuns(runs.sources, runs.source_units, runs.runs, runs.nbytes, field_names=rest, images=images,
+                           image_keys=tuple(keys), image_index=np.asarray(index, np.int64), image_counts=counts,
+                           occurrence_nbytes=occ_bytes)
 
     def _forget_locked(self, traj_ids: Sequence[int]) -> None:
         for t in traj_ids:
@@ -464,7 +568,33 @@ class MMClient(DataPlaneClient):
     """``DataPlaneClient`` whose fetches (and prefetches) that include ``image_index`` return an ``MMShare``: one
     copy of each distinct image, however many units hold it (the claim's ``image_sources``)."""
 
-    reads_through_units: ClassVar[bool] = True  # each unit names the images it ships
+    def _pack_runs(self, loc: ShareLocation, objects: Sequence[Sequence[np.ndarray]]) -> PackedShare:
+        """A share read straight from its sources (``MMShareRuns``): the fields' runs as in text, a private copy of
+        each distinct image into the rank's pooled buffer (64-byte aligned), ``image_index`` from the claim."""
+        runs = loc.runs
+        if not isinstance(runs, MMShareRuns):
+            return super()._pack_runs(loc, objects)
+        share = pack_runs(replace(loc, fields=runs.field_names), objects, self.schema, self.prepare, self.pack_pool())
+        pool = self.pack_pool()
+        sizes = [int(b - a) for _, _, a, b in runs.images.tolist()]
+        buf = pool.take(sum(aligned(n) for n in sizes)) if pool is not None else np.empty(sum(aligned(n) for n in
+                                                                                             sizes), np.uint8)
+        pixels, off = [], 0
+        for (o, c, a, b), k in zip(runs.images.tolist(), runs.image_keys):
+            np.copyto(buf[off:off + b - a], objects[o][c].reshape(-1).view(np.uint8)[a:b])  # the one copy
+            raw = buf[off:off + b - a]
+            x = torch.from_numpy(raw.view(np.int16 if k.dtype == "bfloat16" else np.dtype(k.dtype)).reshape(k.shape))
+            pixels.append(x.view(torch.bfloat16) if k.dtype == "bfloat16" else x)
+            off += aligned(b - a)
+        cu = np.zeros(len(runs.image_counts) + 1, np.int64)
+        np.cumsum(runs.image_counts, out=cu[1:])
+        fields = {**share.fields, IMAGE_FIELD: PackedField(IMAGE_FIELD, torch.from_numpy(runs.image_index.copy()),
+                                                           torch.from_numpy(cu.astype(np.int32)))}
+        base = {fl.name: getattr(share, fl.name) for fl in dc_fields(share)}
+        pix = sum(sizes)
+        base.update(fields={n: fields[n] for n in loc.fields}, nbytes=loc.nbytes + pix)
+        return MMShare(**base, images=ImageSet(tuple(pixels), tuple(k.grid for k in runs.image_keys)),
+                       pixel_nbytes=pix, occurrence_nbytes=runs.occurrence_nbytes)
 
     def _unit_args(self, loc: ShareLocation) -> Mapping[str, tuple] | None:
         if not isinstance(loc, MMShareLocation) or not loc.image_sources:

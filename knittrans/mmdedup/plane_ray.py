@@ -13,7 +13,9 @@ slots) is ``knittrans.dataplane.ray_transport``'s.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Collection, Mapping, Sequence
 
@@ -32,7 +34,6 @@ from knittrans.mmdedup.store import StoreStats
 class MMUnitHost(UnitHost):
     """An ``MMStorageUnit`` behind the storage-unit actor API, plus its encoding-store statistics."""
 
-    STORED_PUTS = False  # MMStorageUnit.put copies every field (it rewrites image_index per occurrence)
 
     def __init__(self, unit_id: str, node: str, schema: TrajectorySchema, hash_fn: HashFn, dedup: bool = True) -> None:
         import torch
@@ -40,6 +41,32 @@ class MMUnitHost(UnitHost):
         torch.set_num_threads(1)
         self.unit = MMStorageUnit(unit_id, node, schema, hash_fn, dedup)
         freeze_startup_heap()
+
+    def _put_views(self, payloads: list) -> list:
+        """A large put's fields are views of the unit's object (``UnitHost.put_stored``); its images become one
+        more object of this unit's (each distinct tensor once), stored as they lie there (no second copy), so a
+        rank reads each distinct image of its share straight from it (``MMShareRuns``)."""
+        import torch
+
+        seen: dict[int, int] = {}
+        imgs = []
+        for p in payloads:
+            for e in getattr(p, "encodings", ()):
+                if id(e) not in seen:
+                    seen[id(e)] = len(imgs)
+                    imgs.append(e)
+        if not imgs:
+            return self.unit.put(payloads, copy=False)
+        arrays = [(e.detach().contiguous().view(torch.int16) if e.dtype == torch.bfloat16 else e.detach().contiguous())
+                  .numpy() for e in imgs]
+        ref = ray.put(tuple(arrays))
+        with warnings.catch_warnings():  # read-only object views; nothing writes through them
+            warnings.simplefilter("ignore", UserWarning)
+            views = [torch.from_numpy(v) for v in ray.get(ref)]
+        views = [v.view(torch.bfloat16) if e.dtype == torch.bfloat16 else v for v, e in zip(views, imgs)]
+        placed = [dataclasses.replace(p, encodings=tuple(views[seen[id(e)]] for e in p.encodings))
+                  if getattr(p, "encodings", ()) else p for p in payloads]
+        return self.unit.put(placed, copy=False, views={v.data_ptr(): (ref, j) for j, v in enumerate(views)})
 
     def get(self, traj_ids: Sequence[int], fields: Sequence[str],
             serve: Collection[ImageKey] | None = None) -> UnitChunk:

@@ -164,8 +164,11 @@ class EncodingStore:
 
     # -- slot-level API -------------------------------------------------------------------------------------
 
-    def put(self, encodings: Sequence[torch.Tensor]) -> list[EncodingRef]:
-        """Add one reference per tensor: an existing slot when key and bytes match, else a new slot."""
+    def put(self, encodings: Sequence[torch.Tensor], copy: bool | None = None) -> list[EncodingRef]:
+        """Add one reference per tensor: an existing slot when key and bytes match, else a new slot. ``copy``
+        overrides the store's for this call (False: the caller hands over read-only memory nobody writes, e.g. a
+        Ray unit's own object-store views)."""
+        copy = self._copy if copy is None else copy
         for t in encodings:
             check_encoding(t)
         cpu = [t.detach().contiguous() for t in encodings]
@@ -182,7 +185,7 @@ class EncodingStore:
                 if slot_id is None:
                     slot_id = self._next_slot
                     self._next_slot += 1
-                    self._slots[slot_id] = _Slot(key, t.clone() if self._copy else t, 0)
+                    self._slots[slot_id] = _Slot(key, t.clone() if copy else t, 0)
                     self._by_key.setdefault(key, []).append(slot_id)
                     self._live_bytes += _nbytes(t)
                     self._peak_bytes = max(self._peak_bytes, self._live_bytes)

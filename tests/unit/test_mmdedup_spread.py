@@ -155,6 +155,8 @@ def test_the_claim_names_one_unit_per_image_local_first():
     loc = dp.controller.claim(MiniBatchKey(0, 0), 0, ("input_ids", "image_index"))
     assert isinstance(loc, MMShareLocation)
     assert {u: len(ks) for u, ks in loc.image_sources} == {"u0": 0, "u1": 1}
+    # read straight from the sources: the one distinct image once, from the copy on the rank's node
+    assert len(loc.runs.images) == 1 and loc.runs.source_units[int(loc.runs.images[0][0])] == "u1"
 
 
 def test_the_encoding_plane_reads_a_copy_held_by_two_units_once():
