@@ -60,10 +60,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STORE_MIN_BYTES = 100 * 1024
-"""A put whose arrays reach this many bytes travels as one object-store object the unit owns and keeps
-(``RayUnitProxy.put``); smaller ones go inline in the call (Ray inlines arguments below 100 KiB, its
-``max_direct_call_object_size``) and are copied into the unit's memory."""
+STORE_MIN_BYTES = 0
+"""A put whose arrays reach this many bytes becomes one object-store object the unit owns and keeps, which ranks
+read straight from (``RayUnitProxy.put``); 0: every put whose payloads carry arrays (Ray still inlines a small
+call's arguments: the unit's ``ray.put`` is its one copy). 100 KiB until issue 25, when smaller puts were copied
+into the unit's memory: a multimodal batch's completing put (its advantages, ~25 KB per unit) then sent every share
+through its units."""
 
 
 class StoredObjects:
@@ -611,12 +613,12 @@ class RayUnitProxy:
     read_timeout_s: float | None = 300.0  # a unit hung in get raises ReadTimeoutError instead of blocking a rank
 
     def put(self, payloads: Sequence[TrajectoryPayload]) -> list[PutRecord]:
-        """Large puts (arrays >= ``STORE_MIN_BYTES``): the payloads' arrays travel as a few contiguous ones beside
-        the rest of the call, and the unit keeps them as an object-store object of its own
-        (``UnitHost.put_stored``), which readers on its node map without a copy. Small puts are copied into the
-        unit's memory (``UnitHost.put``)."""
+        """A put whose payloads carry arrays (>= ``STORE_MIN_BYTES``): the arrays travel as a few contiguous ones
+        beside the rest of the call, and the unit keeps them as an object-store object of its own
+        (``UnitHost.put_stored``), which ranks read straight from. Any other put is copied into the unit's memory
+        (``UnitHost.put``)."""
         rest, arrays = split_arrays(to_wire(payloads))
-        if arrays and sum(int(a.nbytes) for a in arrays) >= STORE_MIN_BYTES:
+        if arrays and sum(int(a.nbytes) for a in arrays) >= max(1, STORE_MIN_BYTES):
             return unwrap(_call(self.actor.put_stored.remote(rest, arrays), self.unit_id))
         return unwrap(_call(self.actor.put.remote(WireList(payloads)), self.unit_id))
 

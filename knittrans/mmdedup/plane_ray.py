@@ -40,6 +40,7 @@ class MMUnitHost(UnitHost):
 
         torch.set_num_threads(1)
         self.unit = MMStorageUnit(unit_id, node, schema, hash_fn, dedup)
+        self._direct = True  # its puts' records name their objects: ranks read them straight from there
         freeze_startup_heap()
 
     def _put_views(self, payloads: list) -> list:

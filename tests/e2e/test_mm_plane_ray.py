@@ -126,6 +126,7 @@ def test_ray_ranks_fetch_each_distinct_image_once_when_a_groups_copies_sit_on_bo
                     assert digests[t] == [_digest(im.pixel_values) for im in group_of[t].images]
                 moved += pix
         assert moved == distinct
+        assert [ray.get(a.get_count.remote()) for a in plane.unit_actors.values()] == [0, 0]  # straight from sources
         plane.controller.wait_released(1, timeout=30)
         plane.wait_drained(timeout=30)
         assert plane.live_bytes() == 0

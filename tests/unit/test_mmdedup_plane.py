@@ -197,3 +197,36 @@ def test_a_shares_pixels_are_its_own_while_it_lives_even_with_reused_pack_buffer
     assert len(held[0].pixels) == len(distinct)
     for px, j in zip(held[0].pixels, distinct):
         np.testing.assert_array_equal(px, g.images[j].pixel_values.numpy())
+
+
+def test_a_multimodal_share_read_from_its_sources_equals_the_share_read_through_its_units():
+    """Issue 25: the direct read (fields' runs, each distinct image once from its recorded copy, image_index built
+    by the rank) hands a rank exactly what the units' reads do: the same fields, the same distinct images (bytes,
+    dtypes, grids) in the same per-sample index map, the same byte counts."""
+    from knittrans.dataplane import PrepareConfig
+    from knittrans.dataplane.types import MiniBatchKey
+    from knittrans.mmdedup.plane import MMShareRuns
+
+    groups = _groups(seed=3)
+    planes = {d: build_mm_inprocess(UNITS, RANKS, prepare=PrepareConfig(direct_reads=d)) for d in (True, False)}
+    for dp in planes.values():
+        _put_all(dp, groups)
+    for mb in _minibatches(groups, 2):
+        for dp in planes.values():
+            dp.controller.admit(mb)
+        for r in range(len(RANKS)):
+            loc = planes[True].controller.claim(MiniBatchKey(mb.batch_id, mb.index), r, planes[True].schema.names)
+            assert isinstance(loc.runs, MMShareRuns)
+            planes[True].controller.unclaim(loc.key, r, loc.fields)
+            a, b = planes[True].client().fetch(mb, rank=r), planes[False].client().fetch(mb, rank=r)
+            assert a.traj_ids == b.traj_ids and a.nbytes == b.nbytes and a.pixel_nbytes == b.pixel_nbytes
+            assert a.occurrence_nbytes == b.occurrence_nbytes
+            for name in a.fields:
+                if name != IMAGE_FIELD:
+                    assert torch.equal(a[name], b[name]), name
+            for t in a.traj_ids:  # the same image behind every occurrence (indices may be numbered differently)
+                for i, j in zip(a.image_ids[t], b.image_ids[t]):
+                    assert torch.equal(a.images.pixels[i], b.images.pixels[j])
+                    assert a.images.grids[i] == b.images.grids[j]
+            assert len(a.images.pixels) == len(b.images.pixels)
+    assert all(dp.live_bytes() == 0 for dp in planes.values())
