@@ -365,7 +365,8 @@ def gate_trials(table: str, passes: int | None = None) -> list[TransferTrialBase
     """CI size (~a minute on 2 cores per table): the headline pair, interleaved passes of 3 batches (two measured),
     batch b+1 completing two steps before batch b ends (``lead_steps=2``: a window that a prefetcher on a loaded
     2-core runner still makes, and a handoff without one never does). Text: 32 x 16 trajectories, with in-process
-    KnitTrans beside the pair and a raw pass per system (the get-bandwidth claims). Multimodal: 16 prompts x n=16
+    KnitTrans, the engine ceiling and the drain beside the pair and a raw pass per system (the get-bandwidth
+    claims). Multimodal: 16 prompts x n=16
     with one 336px image each (37 MB distinct, 0.59 GB with one copy per sample: pixel bytes dominate, as at
     scale: the raw ratio reads 1.56-1.75; 0.14 with reads of one trajectory per unit call; with dedup off
     0.6-1.8, the baseline's raw pass varying 0.2-0.6 s for the same bytes, so the bytes gate catches that one),
@@ -376,7 +377,8 @@ def gate_trials(table: str, passes: int | None = None) -> list[TransferTrialBase
     if table == "transfer-text":  # + in-process KnitTrans and raw passes: the get-bandwidth gates
         passes = 3 if passes is None else passes
         cfg = TransferConfig(workload="text", text=TextWorkload(prompts_per_batch=32), num_batches=3,
-                             systems=[*pair, System.KNITTRANS_INPROC.value], lead_steps=2, passes=passes,
+                             systems=[*pair, System.KNITTRANS_INPROC.value, System.ENGINE_CEILING.value,
+                                      System.KNITTRANS_RAY_DRAIN.value], lead_steps=2, passes=passes,
                              compute_s_per_minibatch=0.25, logger="none")
     elif table == "transfer-multimodal":
         passes = 5 if passes is None else passes

@@ -276,10 +276,11 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("exposed_latency_ratio", T, ClaimKind.TARGET, ">= 10x (KnitTrans exposes <= 10% of the baseline's "
           "transfer latency)", "x", EXPOSED.format(num="centralized (pad to the batch's longest, build-ahead)",
                                                   den="knittrans-ray") +
-          ". Gate bound 8 at CI size (512 trajectories, 3 passes, batch b+1 complete two steps before b ends): "
-          "medians 51-1500 on a loaded 2-core machine (single passes down to 2 when other jobs spike), while the "
-          "same handoff without prefetch gives medians 1.3-5.6 (passes up to 6.5)",
-          ratio("centralized", "knittrans-ray", "exposed_s"), bound=Bound(">=", 10.0), gate=Bound(">=", 8.0),
+          ". Gate bound 25 at CI size (512 trajectories, 3 passes, batch b+1 complete two steps before b ends): "
+          "medians 51-1500 on a loaded 2-core machine (402 with the direct read path, issue 25), while the same "
+          "handoff without prefetch gives 8.2 [3.0, 13.2] with the direct reads (1.3-5.6 before them: faster gets "
+          "leave less to hide, so the bound moved from 8 to 25)",
+          ratio("centralized", "knittrans-ray", "exposed_s"), bound=Bound(">=", 10.0), gate=Bound(">=", 25.0),
           comparison=SAME_LAYOUT),
     Claim("raw_transfer_ratio", T, ClaimKind.MEASUREMENT, "(context)", "x",
           RAW.format(num="centralized", den="knittrans-ray"), ratio("centralized", "knittrans-ray", "raw_s"),
@@ -312,11 +313,14 @@ CLAIMS: tuple[Claim, ...] = (
           MEMCPY_FRACTION.format(system="knittrans-ray (rank actors on the units' node: a unit keeps each large put "
                                         "as an object-store object of its own and answers a read with where the rows "
                                         "lie, the rank maps the objects and packs once into its own buffer)")
-          + ". Gate bound 0.003 at CI size (512 trajectories, one raw pass per pass): 0.006-0.024 on a loaded 2-core "
-          "machine; reading one trajectory per unit call (one actor round trip each) gives 0.0007",
-          memcpy_fraction("knittrans-ray", "get_gbps"), bound=Bound(">=", 0.25), gate=Bound(">=", 0.003)),
+          + ". Gate bound 0.01 at CI size (512 trajectories, one raw pass per pass): 0.033 with the direct reads on a "
+          "loaded 2-core machine (0.006-0.024 before them); reading one trajectory per unit call (one actor round "
+          "trip each) gives 0.0007",
+          memcpy_fraction("knittrans-ray", "get_gbps"), bound=Bound(">=", 0.25), gate=Bound(">=", 0.01)),
     Claim("ray_fraction_of_ceiling", T, ClaimKind.TARGET, "(issue 25) >= 0.7 of the engine's ceiling", "x ceiling",
-          CEILING.format(system="knittrans-ray"), ceiling_fraction("knittrans-ray"), bound=Bound(">=", 0.7)),
+          CEILING.format(system="knittrans-ray") + ". Gate bound 0.05 at CI size: 0.29 [0.12, 0.31] on a loaded "
+          "2-core machine; reads of one trajectory per unit call, ~0.006", ceiling_fraction("knittrans-ray"),
+          bound=Bound(">=", 0.7), gate=Bound(">=", 0.05)),
     Claim("ceiling_fraction_of_memcpy", T, ClaimKind.MEASUREMENT, "(context)", "x memcpy",
           MEMCPY_FRACTION.format(system=CEILING_SYSTEM + " (refs handed over, one ray.get, one pack)"),
           memcpy_fraction(CEILING_SYSTEM, "get_gbps")),
@@ -325,8 +329,10 @@ CLAIMS: tuple[Claim, ...] = (
           ceiling_fraction("knittrans-inproc")),
     Claim("tq_fraction_of_ceiling", T, ClaimKind.MEASUREMENT, "(context)", "x ceiling",
           CEILING.format(system="transferqueue (one kv_batch_get per share)"), ceiling_fraction("transferqueue")),
-    Claim("drain_fraction_of_memcpy", T, ClaimKind.TARGET, "(issue 25) >= 0.2 of memcpy per rank", "x memcpy", DRAIN,
-          memcpy_fraction("knittrans-ray-drain", "rank_gbps"), bound=Bound(">=", 0.2)),
+    Claim("drain_fraction_of_memcpy", T, ClaimKind.TARGET, "(issue 25) >= 0.2 of memcpy per rank", "x memcpy",
+          DRAIN + ". Gate bound 0.008 at CI size: 0.034 [0.027, 0.047] on a loaded 2-core machine; reads of one "
+          "trajectory per unit call, ~0.001", memcpy_fraction("knittrans-ray-drain", "rank_gbps"),
+          bound=Bound(">=", 0.2), gate=Bound(">=", 0.008)),
     Claim("inproc_raw_fraction_of_memcpy", T, ClaimKind.MEASUREMENT, "(context)", "x memcpy",
           RAW_FRACTION.format(system="knittrans-inproc"), memcpy_fraction("knittrans-inproc", "gbps")),
     Claim("ray_raw_fraction_of_memcpy", T, ClaimKind.MEASUREMENT, "(context)", "x memcpy",

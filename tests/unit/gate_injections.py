@@ -107,13 +107,18 @@ class PerTrajectoryGetter:
 
 
 class PerTrajectoryReadsConsumer(Consumer):
-    """A handoff consumer whose client reads through ``PerTrajectoryGetter`` (prefetching as usual)."""
+    """A handoff consumer whose client ignores the claims' runs (no direct reads from the units' sources) and reads
+    through ``PerTrajectoryGetter`` (prefetching as usual): the per-trajectory access pattern that both the
+    direct reads (issue 25) and the units' chunks replace."""
 
     @property
     def client(self):  # noqa: ANN201
+        import dataclasses
+
         c = super().client
         if not isinstance(c.getter, PerTrajectoryGetter):
             c.getter = PerTrajectoryGetter(c.getter)
+            c.prepare = dataclasses.replace(c.prepare, direct_reads=False)
         return c
 
 

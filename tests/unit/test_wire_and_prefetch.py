@@ -12,7 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from knittrans.dataplane import MiniBatchKey, PrefetchConfig, Prefetcher, TrajectoryPayload, build_inprocess
+from knittrans.dataplane import (MiniBatchKey, PrefetchConfig, Prefetcher, PrepareConfig, TrajectoryPayload,
+                                 build_inprocess)
 from knittrans.dataplane.types import FieldMeta, PutRecord
 from knittrans.dataplane.wire import WireList, to_wire, unwrap
 from knittrans.types import Trajectory
@@ -63,8 +64,13 @@ def _loaded():
     return dp, batch.minibatches(4)
 
 
-def test_concurrent_prefetch_hands_out_in_admission_order_and_never_claims_past_its_bound():
+@pytest.mark.parametrize("direct", [True, False])
+def test_concurrent_prefetch_hands_out_in_admission_order_and_never_claims_past_its_bound(direct):
+    """Direct reads (a resolve and a few copies: CPU work) take one worker; reads through the units (round trips)
+    take ``depth`` workers, so one share's reads overlap another's. Either way at most ``depth`` prepared + one in
+    flight, handed out in admission order."""
     dp, mbs = _loaded()
+    dp.prepare = PrepareConfig(direct_reads=direct)
     client = dp.client()
     active, most, started = [0], [0], [0]
     lock = threading.Lock()
@@ -89,7 +95,7 @@ def test_concurrent_prefetch_hands_out_in_admission_order_and_never_claims_past_
     assert started[0] == 3
     keys = [s.key for s in pf]
     assert keys == [MiniBatchKey(0, i) for i in range(4)]
-    assert most[0] == 2  # two fetches ran at once (depth workers), never more
+    assert most[0] == (1 if direct else 2)  # one worker, or depth workers at once; never more
     assert [e.seq for e in pf.events] == [0, 1, 2, 3]
     pf.close()
 
