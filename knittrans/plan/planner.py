@@ -1,0 +1,114 @@
+"""``plan``: the user's inputs in, each policy's staleness-throughput frontier and the recommended setting out.
+
+Stages: resolve the inputs into a scenario (``scenario.resolve``, or ``calibrated.resolve_calibrated`` from run
+traces); list the settings (each policy at each value of its knob, plus the colocated reference); simulate them
+(``sweep.sweep``); read off each policy's frontier and the recommendation for the target (``recommend``); state
+the simulator's validation error beside them (``Validation``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from knittrans.plan import calibrated
+from knittrans.plan.calibrated import HeldOut
+from knittrans.plan.config import PlanConfig
+from knittrans.plan.policies import COLOCATED, PolicyFactory, grids, resolve
+from knittrans.plan.recommend import Target, TargetUnreachable, frontier, recommend
+from knittrans.plan.scenario import Scenario
+from knittrans.plan.scenario import resolve as resolve_scenario
+from knittrans.plan.sweep import PlanPoint, Setting, sweep
+from knittrans.sim.theory import budget_check
+from knittrans.types import AdmissionKind
+
+THEORY_BATCHES = 6
+"""Batches of the scenario the Little's-law check simulates (it needs a steady state, not the whole sweep's)."""
+
+
+@dataclass(frozen=True)
+class Validation:
+    """How far the simulator is from theory and, with a real trial, from reality, on this workload."""
+
+    littles_law_error: float | None
+    """|simulated / closed-form - 1| of mean staleness at a binding budget of two mini-batches, on the plan's batch
+    shape and lengths (``knittrans.sim.theory.budget_check``): checks the simulator's flow control and version
+    accounting, not its time model. None when KnitTrans's policy is not swept."""
+    littles_law_note: str
+    heldout_method: str
+    heldout: tuple[HeldOut, ...] = ()
+    """Real runs predicted by a time model fitted without them (``--calibrate``); empty otherwise."""
+
+    def heldout_summary(self, timing_sensitive: bool | None = None) -> tuple[float, float, int] | None:
+        """(median, max, count) of the held-out errors (only timing-sensitive runs when True); None if none."""
+        errs = [h.error for h in self.heldout if timing_sensitive is None or h.timing_sensitive == timing_sensitive]
+        return (float(np.median(errs)), float(max(errs)), len(errs)) if errs else None
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: PlanConfig
+    scenario: Scenario
+    target: Target
+    points: tuple[PlanPoint, ...]
+    """Every setting's point, the colocated reference first."""
+    frontiers: dict[str, tuple[PlanPoint, ...]]
+    """Each swept policy's frontier (``recommend.frontier``)."""
+    best: dict[str, PlanPoint | None]
+    """Each policy's recommended point for the target (None: it cannot meet it)."""
+    recommendation: PlanPoint | None
+    """The recommended point over every policy; None when the target is unreachable (``unmet``)."""
+    unmet: TargetUnreachable | None
+    validation: Validation
+
+    def of(self, policy: str) -> list[PlanPoint]:
+        return [p for p in self.points if p.setting.policy == policy]
+
+
+def settings(scn: Scenario, policies: tuple[str, ...], grid: tuple[str, ...]) -> list[Setting]:
+    """The colocated reference, then each policy at each value of its knob."""
+    g = grids(policies, grid, scn.num_minibatches)
+    return [Setting(COLOCATED, 1.0)] + [Setting(p, v) for p in policies for v in g[p]]
+
+
+def littles_law(scn: Scenario, factories: Mapping[str, PolicyFactory]) -> tuple[float | None, str]:
+    kt = AdmissionKind.KNITTRANS.value
+    if kt not in factories:
+        return None, "not measured: the check runs KnitTrans's policy, which this plan does not sweep"
+    groups = max(1, round(2 * scn.constraints.minibatch_size / scn.group_size))
+    batches = scn.batches[:THEORY_BATCHES]
+    chk = budget_check(factories[kt](scn.constraints), batches, groups, scn.release,
+                       warmup_batches=min(2, len(batches) - 1))
+    return chk.rel_error, (f"budget of {groups} groups, {len(batches)} batches: simulated mean staleness "
+                           f"{chk.measured:.3f} vs Little's law {chk.predicted:.3f}")
+
+
+def plan(cfg: PlanConfig, factories: Mapping[str, PolicyFactory] | None = None, progress: bool = True) -> Plan:
+    """Run the planner on ``cfg``. ``factories`` maps policy names to ``BatchConstraints -> AdmissionPolicy``
+    callables; None reads them from the ``knittrans.policies`` entry points (``knittrans.plan.policies``)."""
+    target = Target.parse(cfg.target)
+    runs = calibrated.load_runs(cfg.calibrate) if cfg.calibrate else []
+    extra = tuple(r.config.admission.value for r in runs)
+    fac = resolve(tuple(dict.fromkeys(cfg.policies + extra)), factories)
+    scn = calibrated.resolve_calibrated(cfg, runs)[0] if runs else resolve_scenario(cfg)
+    points = tuple(sweep(scn, settings(scn, cfg.policies, cfg.grid), fac, cfg.workers, progress))
+    frontiers = {p: tuple(frontier([q for q in points if q.setting.policy == p])) for p in cfg.policies}
+    best: dict[str, PlanPoint | None] = {}
+    for p in cfg.policies:
+        try:
+            best[p] = recommend([q for q in points if q.setting.policy == p], target)
+        except TargetUnreachable:
+            best[p] = None
+    swept = [q for q in points if q.setting.policy != COLOCATED]
+    try:
+        rec, unmet = recommend(swept, target), None
+    except TargetUnreachable as e:
+        rec, unmet = None, e
+    lit, lit_note = littles_law(scn, fac)
+    method, held = calibrated.heldout(runs, fac) if runs else (
+        "not measured: no real run given (--calibrate TRACE fits the time model to a trial and measures it)", [])
+    return Plan(cfg, scn, target, points, frontiers, best, rec, unmet,
+                Validation(lit if lit is None or math.isfinite(lit) else None, lit_note, method, tuple(held)))
