@@ -40,6 +40,8 @@ class HeldOut:
     """One real run predicted by a time model fitted without it."""
 
     setting: str
+    """``system/b<budget>/<sync>/w<wave groups>``, as the sim-vs-real table names settings."""
+    seed: int
     measured_mean: float
     predicted_mean: float
     spread: float
@@ -50,6 +52,11 @@ class HeldOut:
     @property
     def error(self) -> float:
         return heldout_error(self.predicted_mean, self.measured_mean)
+
+    @property
+    def steps_error(self) -> float:
+        """|predicted / measured - 1| of whole-run steps/s (context: the sim-vs-real bound is on staleness)."""
+        return abs(self.predicted_steps_per_s / self.measured_steps_per_s - 1.0)
 
     @property
     def timing_sensitive(self) -> bool:
@@ -80,7 +87,7 @@ def split(runs: Sequence) -> tuple[list, list]:
 
 def setting_of(run) -> str:  # noqa: ANN001 - a RunTrace
     c = run.config
-    return f"{c.system}/b{c.budget}/{c.sync.value}/w{c.wave_groups}/seed{c.seed}"
+    return f"{c.system}/b{c.budget}/{c.sync.value}/w{c.wave_groups}"
 
 
 def _fitted_inputs(inp: InputLog, tm: TimeModel, r2: tuple[float, float], wave_groups: int, runs: int) -> None:
@@ -159,7 +166,7 @@ def _predict(cal: Sequence, held: Sequence, factories: Mapping[str, PolicyFactor
     for r in held:
         batches = by_seed.get(r.config.seed, first)
         res = predict(r.config, tm, batches, make_policy)
-        out.append(HeldOut(setting_of(r), float(r.staleness().mean()), float(res.records.staleness.mean()),
+        out.append(HeldOut(setting_of(r), r.config.seed, float(r.staleness().mean()), float(res.records.staleness.mean()),
                            timing_spread(r.config, tm, batches, make_policy), r.throughput_steps_per_s(),
                            len(res.steps) / res.total_time if res.total_time > 0 else float("nan")))
     return out

@@ -11,6 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+DEFAULT_POLICIES = ("train_batch", "greedy", "bounded_async", "knittrans")
+"""Swept by default: the three baselines of ``baselines.admission`` and KnitTrans (``knittrans.plan.policies``)."""
+
+
 class PlanError(ValueError):
     """Anything the planner cannot do with what it was given."""
 
@@ -89,7 +93,7 @@ class PlanConfig:
                       "step_start", default="step_end")
     # -- the sweep and the answer -----------------------------------------------------------------------------
     policies: tuple[str, ...] = _f("admission policies to sweep (names registered under the knittrans.policies "
-                                   "entry points)", default=("train_batch", "greedy", "bounded_async", "knittrans"))
+                                   "entry points)", default=DEFAULT_POLICIES)
     grid: tuple[str, ...] = _f("a policy's knob values, e.g. knittrans=0.25,0.5,1 (in-flight budget in batches) "
                                "or bounded_async=0,1,2 (AReaL's eta); repeatable", default=())
     target: str = _f("max-throughput, staleness<=S (mean, steps), p99<=S, or steps/s>=X",

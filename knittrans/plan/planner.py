@@ -42,10 +42,36 @@ class Validation:
     heldout: tuple[HeldOut, ...] = ()
     """Real runs predicted by a time model fitted without them (``--calibrate``); empty otherwise."""
 
-    def heldout_summary(self, timing_sensitive: bool | None = None) -> tuple[float, float, int] | None:
-        """(median, max, count) of the held-out errors (only timing-sensitive runs when True); None if none."""
-        errs = [h.error for h in self.heldout if timing_sensitive is None or h.timing_sensitive == timing_sensitive]
-        return (float(np.median(errs)), float(max(errs)), len(errs)) if errs else None
+    def heldout_summary(self, timing_sensitive: bool | None = None) -> HeldOutSummary | None:
+        """The held-out errors summarized as the sim-vs-real table does (per setting, the median over its runs;
+        then the median and max over settings), over timing-sensitive settings only when True; None if none."""
+        by: dict[str, list[HeldOut]] = {}
+        for h in self.heldout:
+            by.setdefault(h.setting, []).append(h)
+        per = {s: float(np.median([h.error for h in hs])) for s, hs in by.items()
+               if timing_sensitive is None or all(h.timing_sensitive for h in hs) == timing_sensitive}
+        if not per:
+            return None
+        runs = [h for h in self.heldout if h.setting in per]
+        worst = max(per, key=per.get)
+        return HeldOutSummary(float(np.median(list(per.values()))), per[worst], worst, len(per), len(runs),
+                              max(h.error for h in runs), float(np.median([h.steps_error for h in runs])),
+                              max(h.steps_error for h in runs))
+
+
+@dataclass(frozen=True)
+class HeldOutSummary:
+    median: float
+    """Median over settings of each setting's median error (the sim-vs-real claim's statistic)."""
+    worst: float
+    worst_setting: str
+    settings: int
+    runs: int
+    worst_run: float
+    """The largest single run's error."""
+    steps_median: float
+    """Median over runs of the whole-run steps/s error (context; the bound is on staleness)."""
+    steps_worst: float
 
 
 @dataclass(frozen=True)
@@ -66,6 +92,14 @@ class Plan:
 
     def of(self, policy: str) -> list[PlanPoint]:
         return [p for p in self.points if p.setting.policy == policy]
+
+    def recommended(self) -> PlanPoint:
+        """The recommendation; raises ``TargetUnreachable`` (naming the binding constraint) when no setting meets
+        the target. The plan itself is returned either way, so its frontiers can still be shown."""
+        if self.recommendation is None:
+            assert self.unmet is not None
+            raise self.unmet
+        return self.recommendation
 
 
 def settings(scn: Scenario, policies: tuple[str, ...], grid: tuple[str, ...]) -> list[Setting]:

@@ -31,10 +31,6 @@ from knittrans.plan.config import PlanError, PlanInputError
 from knittrans.plan.sweep import PlanPoint
 from knittrans.staleness import THROUGHPUT_TIE, OperatingPoint, pareto_front
 
-TRAINER_BOUND_IDLE = 0.05
-"""A point whose trainer idles less than this fraction of its steady state is trainer-bound."""
-
-
 class TargetKind(str, enum.Enum):
     MAX_THROUGHPUT = "max-throughput"
     MEAN_STALENESS = "staleness"
@@ -143,14 +139,16 @@ def _unreachable(valid: list[PlanPoint], target: Target) -> TargetUnreachable:
     if target.kind is TargetKind.MIN_THROUGHPUT:
         best = max(valid, key=lambda p: p.metrics.steps_per_s)
         m = best.metrics
-        trainer_bound = m.trainer_idle < TRAINER_BOUND_IDLE
-        why = (f"its trainer is busy {1 - m.trainer_idle:.0%} of the time, so only a faster trainer (or fewer "
-               f"steps per batch) goes faster" if trainer_bound else
-               f"its trainer waits for data {m.trainer_idle:.0%} of the time: rollout capacity (engines, slots, "
-               f"decode speed) or the response lengths bind")
+        # which side is slower at full capacity (weight syncs pause both sides alike, so they do not decide it)
+        trainer_bound = m.rollout_trainer_ratio >= 1.0
+        why = (f"rollout could deliver {m.rollout_trainer_ratio:.2g}x what the trainer consumes, so only a faster "
+               f"trainer (or fewer, cheaper steps) goes faster" if trainer_bound else
+               f"rollout at full capacity delivers only {m.rollout_trainer_ratio:.2g}x what the trainer could "
+               f"consume: rollout capacity (engines, slots, decode speed) or the response lengths bind")
         return TargetUnreachable(target, Binding.TRAINER if trainer_bound else Binding.ROLLOUT, best,
                                  f"the fastest setting, {best.setting.policy} {best.setting.value:g}, reaches "
-                                 f"{m.steps_per_s:.4g} steps/s; {why}")
+                                 f"{m.steps_per_s:.4g} steps/s (trainer idle {m.trainer_idle:.0%}, rollout idle "
+                                 f"{m.rollout_idle:.0%}); {why}")
     key = "staleness_p99" if target.kind is TargetKind.P99_STALENESS else "staleness_mean"
     best = min(valid, key=lambda p: getattr(p.metrics, key))
     return TargetUnreachable(target, Binding.STALENESS, best,
