@@ -92,7 +92,8 @@ def setting_of(run) -> str:  # noqa: ANN001 - a RunTrace
 
 def _fitted_inputs(inp: InputLog, tm: TimeModel, r2: tuple[float, float], wave_groups: int, runs: int) -> None:
     f = Source.FITTED
-    inp.note("engines", 1, f, f"the runtime's engine: static waves of {wave_groups} groups")
+    inp.note("engines", 1, f, f"the runtime's engine: static waves of {wave_groups} groups (the first calibration "
+                              f"run's wave size)")
     inp.note("decode_s", tm.decode_s, f, f"per decode step of a wave, plus decode_per_seq_s per sequence "
                                          f"(r2 {r2[0]:.2f} over {runs} runs)")
     inp.note("decode_per_seq_s", tm.decode_per_seq_s, f)
