@@ -17,30 +17,41 @@ import argparse
 import dataclasses
 import json
 import sys
+from enum import Enum
 from typing import Sequence
 
 from knittrans.plan.config import PlanConfig, PlanError, flag
 from knittrans.plan.planner import plan
 from knittrans.plan.report import markdown, write
+from knittrans.plan.scenario import DEFAULTS
 
 _TYPES = {"int | None": int, "float | None": float, "str | None": str, "int": int, "str": str}
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="knittrans-plan", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(prog="knittrans-plan", description="Will mini-batch admission help my run? Each "
+                                 "admission policy's staleness-throughput frontier on your workload, simulated, and "
+                                 "the setting to run (docs/planner.md).")
     for f in dataclasses.fields(PlanConfig):
         help = f.metadata["help"]
+        if f.name in DEFAULTS:  # the value an unset (None) input takes
+            help += f" (default: {_shown(DEFAULTS[f.name])})"
         if f.name == "whole_groups":
             ap.add_argument("--no-whole-groups", dest="whole_groups", action="store_false", help=help)
         elif f.name in ("calibrate", "policies"):
-            ap.add_argument(flag(f.name), nargs="+", default=list(f.default), help=help)
+            ap.add_argument(flag(f.name), nargs="+", default=list(f.default),
+                            help=help + (f" (default: {' '.join(f.default)})" if f.default else ""))
         elif f.name == "grid":
             ap.add_argument(flag(f.name), action="append", default=[], metavar="POLICY=V1,V2", help=help)
         else:
-            ap.add_argument(flag(f.name), type=_TYPES[str(f.type)], default=f.default, help=help)
+            shown = f" (default: {f.default})" if f.default is not None and f.name not in DEFAULTS else ""
+            ap.add_argument(flag(f.name), type=_TYPES[str(f.type)], default=f.default, help=help + shown)
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
+
+
+def _shown(v: object) -> str:
+    return str(v.value) if isinstance(v, Enum) else f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def _policies(values: Sequence[str]) -> tuple[str, ...]:

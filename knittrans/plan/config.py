@@ -3,7 +3,7 @@
 Every field but the lengths source has a default; ``None`` means "take the default" (or, with ``calibrate``, the
 value fitted from the real run), so the planner can print which value each setting took and where it came from.
 The help text of every flag is the field's ``help`` metadata (``knittrans.plan.cli`` builds the flags from the
-fields, so the two cannot drift apart). Field ``x_y`` is flag ``--x-y``; an error names the field as that flag.
+fields, and their defaults from ``knittrans.plan.scenario.DEFAULTS``, so neither can drift from the code). Field ``x_y`` is flag ``--x-y``; an error names the field as that flag.
 """
 
 from __future__ import annotations
@@ -63,18 +63,18 @@ class PlanConfig:
                                     "save_traces): fit the time model, batch shape and lengths from them",
                                     default=())
     # -- the batch --------------------------------------------------------------------------------------------
-    prompts_per_batch: int | None = _f("P: prompts (groups) per training batch [512]")
+    prompts_per_batch: int | None = _f("P: prompts (groups) per training batch")
     batch_size: int | None = _f("B: trajectories per batch, instead of --prompts-per-batch (must be a multiple "
                                 "of --group-size)")
-    group_size: int | None = _f("n: samples per prompt (GRPO group size) [16, or the file's groups]")
-    num_minibatches: int | None = _f("M: optimizer steps (mini-batches) per batch [16]")
-    max_response_len: int | None = _f("longest response the rollout may return, in tokens [20480]")
+    group_size: int | None = _f("n: samples per prompt (GRPO group size); a lengths file's groups set it")
+    num_minibatches: int | None = _f("M: optimizer steps (mini-batches) per batch")
+    max_response_len: int | None = _f("longest response the rollout may return, in tokens")
     whole_groups: bool = _f("keep every group inside one mini-batch (off: --no-whole-groups)", default=True)
-    token_budget: int | None = _f("most response tokens in one mini-batch [none]")
+    token_budget: int | None = _f("most response tokens in one mini-batch")
     # -- rollout ----------------------------------------------------------------------------------------------
-    engines: int | None = _f("rollout engines (vLLM instances) [8]")
-    slots: int | None = _f("concurrent requests per engine (vLLM max_num_seqs) [256]")
-    decode_tok_s: float | None = _f("decode tokens/s of one request at light load [40]")
+    engines: int | None = _f("rollout engines (vLLM instances)")
+    slots: int | None = _f("concurrent requests per engine (vLLM max_num_seqs)")
+    decode_tok_s: float | None = _f("decode tokens/s of one request at light load")
     rollout_tok_s: float | None = _f("measured decode tokens/s of all engines together at full load, instead of "
                                      "--decode-tok-s")
     # -- trainer ----------------------------------------------------------------------------------------------
@@ -82,13 +82,13 @@ class PlanConfig:
                                     "model)")
     train_tok_s: float | None = _f("trainer response tokens/s (forward + backward + old-logprob recompute) "
                                    "[80000]")
-    train_overhead_s: float | None = _f("trainer seconds per step on top of its tokens [2.0]")
+    train_overhead_s: float | None = _f("trainer seconds per step on top of its tokens")
     # -- weight sync and versions -----------------------------------------------------------------------------
-    sync: str | None = _f("when weights reach the engines: every_step, every_k or every_batch [every_step]")
-    sync_k: int | None = _f("k of every_k [4]")
-    sync_cost_s: float | None = _f("seconds both sides pause per weight sync [5.0]")
+    sync: str | None = _f("when weights reach the engines: every_step, every_k or every_batch")
+    sync_k: int | None = _f("k of every_k")
+    sync_cost_s: float | None = _f("seconds both sides pause per weight sync")
     inflight: str | None = _f("requests in flight at a sync: continue (keep their oldest version) or abort "
-                              "(regenerate) [continue]")
+                              "(regenerate)")
     release: str = _f("when a consumed group frees its in-flight budget place: step_end (the runtime's) or "
                       "step_start", default="step_end")
     # -- the sweep and the answer -----------------------------------------------------------------------------

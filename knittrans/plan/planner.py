@@ -22,6 +22,7 @@ from knittrans.plan.recommend import Target, TargetUnreachable, frontier, recomm
 from knittrans.plan.scenario import Scenario
 from knittrans.plan.scenario import resolve as resolve_scenario
 from knittrans.plan.sweep import PlanPoint, Setting, sweep
+from knittrans.sim.simulator import SimDeadlock
 from knittrans.sim.theory import budget_check
 from knittrans.types import AdmissionKind
 
@@ -114,8 +115,11 @@ def littles_law(scn: Scenario, factories: Mapping[str, PolicyFactory]) -> tuple[
         return None, "not measured: the check runs KnitTrans's policy, which this plan does not sweep"
     groups = max(1, round(2 * scn.constraints.minibatch_size / scn.group_size))
     batches = scn.batches[:THEORY_BATCHES]
-    chk = budget_check(factories[kt](scn.constraints), batches, groups, scn.release,
-                       warmup_batches=min(2, len(batches) - 1))
+    try:
+        chk = budget_check(factories[kt](scn.constraints), batches, groups, scn.release,
+                           warmup_batches=min(2, len(batches) - 1))
+    except SimDeadlock as e:  # e.g. a token budget two mini-batches of groups cannot fill: say so, do not fail
+        return None, f"not measured: the check's budget of {groups} groups stalled ({e})"
     return chk.rel_error, (f"budget of {groups} groups, {len(batches)} batches: simulated mean staleness "
                            f"{chk.measured:.3f} vs Little's law {chk.predicted:.3f}")
 

@@ -103,6 +103,7 @@ class TargetUnreachable(PlanError):
 def frontier(points: Sequence[PlanPoint]) -> list[PlanPoint]:
     """The valid points of ``points`` on their staleness-throughput Pareto front, by increasing steps/s."""
     valid = [p for p in points if p.valid]
+    # OperatingPoint's budget field carries each point's index through pareto_front (which keeps what it is given)
     ops = [OperatingPoint(p.metrics.steps_per_s, p.metrics.staleness_mean, budget=i) for i, p in enumerate(valid)]
     return [valid[int(op.budget)] for op in pareto_front(ops)]
 
@@ -146,12 +147,12 @@ def _unreachable(valid: list[PlanPoint], target: Target) -> TargetUnreachable:
                f"rollout at full capacity delivers only {m.rollout_trainer_ratio:.2g}x what the trainer could "
                f"consume: rollout capacity (engines, slots, decode speed) or the response lengths bind")
         return TargetUnreachable(target, Binding.TRAINER if trainer_bound else Binding.ROLLOUT, best,
-                                 f"the fastest setting, {best.setting.policy} {best.setting.value:g}, reaches "
+                                 f"the fastest setting, {best.setting.short}, reaches "
                                  f"{m.steps_per_s:.4g} steps/s (trainer idle {m.trainer_idle:.0%}, rollout idle "
                                  f"{m.rollout_idle:.0%}); {why}")
     key = "staleness_p99" if target.kind is TargetKind.P99_STALENESS else "staleness_mean"
     best = min(valid, key=lambda p: getattr(p.metrics, key))
     return TargetUnreachable(target, Binding.STALENESS, best,
-                             f"the least stale setting, {best.setting.policy} {best.setting.value:g}, has "
+                             f"the least stale setting, {best.setting.short}, has "
                              f"{target.kind.value} staleness {getattr(best.metrics, key):.3g} steps (smaller "
                              f"budgets, down to one mini-batch in flight, or more frequent weight syncs lower it)")

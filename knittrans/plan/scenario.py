@@ -26,6 +26,12 @@ REFERENCE = SystemModel()
 """Where the time defaults come from (our DAPO-scale assumptions, docs/staleness.md)."""
 DEFAULT_SHAPE = {"prompts_per_batch": 512, "group_size": 16, "num_minibatches": 16, "max_response_len": 20480}
 """DAPO's batch (``workloads.text``): 512 prompts x 16 samples, 16 mini-batches, responses up to 20480 tokens."""
+DEFAULTS: dict[str, object] = {
+    **DEFAULT_SHAPE, "engines": REFERENCE.num_engines, "slots": REFERENCE.slots, "decode_tok_s": 1.0 / REFERENCE.tpot,
+    "train_tok_s": 1.0 / REFERENCE.per_token, "train_overhead_s": REFERENCE.step_overhead,
+    "sync": SyncPolicy.EVERY_STEP, "sync_k": REFERENCE.sync_k, "sync_cost_s": REFERENCE.sync_cost,
+    "inflight": REFERENCE.inflight, "release": BudgetRelease.STEP_END}
+"""The value each unset input takes (without --calibrate, which fits some of them); the command's help shows them."""
 
 
 class Source(str, enum.Enum):
@@ -161,8 +167,8 @@ def batch_shape(inp: InputLog, defaults: dict[str, int], source: Source, data_gr
 
 def rollout(inp: InputLog, n: int) -> EngineConfig:
     cfg = inp.cfg
-    E = inp.take("engines", REFERENCE.num_engines, positive_int, "an int >= 1")
-    C = inp.take("slots", REFERENCE.slots, positive_int, "an int >= 1")
+    E = inp.take("engines", DEFAULTS["engines"], positive_int, "an int >= 1")
+    C = inp.take("slots", DEFAULTS["slots"], positive_int, "an int >= 1")
     if C < n:
         raise PlanInputError("slots", f"{C} concurrent requests per engine cannot start one group of n={n} (a "
                                       f"group's samples start together)")
@@ -174,7 +180,7 @@ def rollout(inp: InputLog, n: int) -> EngineConfig:
         tpot = E * C / total  # every slot busy: E*C sequences each emit a token per decode step
         inp.note("decode_tok_s", 1.0 / tpot, Source.DERIVED, "--rollout-tok-s / (engines x slots)")
     else:
-        tpot = 1.0 / inp.take("decode_tok_s", 1.0 / REFERENCE.tpot, positive, "a number > 0")
+        tpot = 1.0 / inp.take("decode_tok_s", DEFAULTS["decode_tok_s"], positive, "a number > 0")
     return EngineConfig(num_engines=E, slots=C, tpot=tpot)
 
 
@@ -185,17 +191,17 @@ def trainer(inp: InputLog) -> TrainerConfig:
             if getattr(cfg, other) is not None:
                 raise PlanInputError(other, "conflicts with --train-step-s (a fixed time per step)")
         return TrainerConfig(step_overhead=inp.take("train_step_s", 0.0, positive, "a number > 0"), per_token=0.0)
-    tok_s = inp.take("train_tok_s", 1.0 / REFERENCE.per_token, positive, "a number > 0")
-    over = inp.take("train_overhead_s", REFERENCE.step_overhead, lambda v: positive(v) or v == 0, "a number >= 0")
+    tok_s = inp.take("train_tok_s", DEFAULTS["train_tok_s"], positive, "a number > 0")
+    over = inp.take("train_overhead_s", DEFAULTS["train_overhead_s"], lambda v: positive(v) or v == 0, "a number >= 0")
     return TrainerConfig(step_overhead=over, per_token=1.0 / tok_s)
 
 
 def sync(inp: InputLog) -> SyncConfig:
-    policy = take_enum(inp, "sync", SyncPolicy, SyncPolicy.EVERY_STEP)
-    k = inp.take("sync_k", REFERENCE.sync_k, positive_int, "an int >= 1")
-    cost = inp.take("sync_cost_s", REFERENCE.sync_cost, lambda v: positive(v) or v == 0, "a number >= 0")
+    policy = take_enum(inp, "sync", SyncPolicy, DEFAULTS["sync"])
+    k = inp.take("sync_k", DEFAULTS["sync_k"], positive_int, "an int >= 1")
+    cost = inp.take("sync_cost_s", DEFAULTS["sync_cost_s"], lambda v: positive(v) or v == 0, "a number >= 0")
     return SyncConfig(policy=policy, k=k, cost=cost, inflight=take_enum(inp, "inflight", InflightPolicy,
-                                                                     REFERENCE.inflight))
+                                                                     DEFAULTS["inflight"]))
 
 
 def colocated_of(base: SimConfig, prompts_per_batch: int) -> SimConfig:
@@ -221,7 +227,7 @@ def lengths_source(inp: InputLog, max_len_default: int) -> Lengths | LengthDist:
 def finish(inp: InputLog, source: Lengths | LengthDist, P: int, n: int, c: BatchConstraints,
            base: SimConfig) -> Scenario:
     cfg = inp.cfg
-    release = take_enum(inp, "release", BudgetRelease, BudgetRelease.STEP_END)
+    release = take_enum(inp, "release", BudgetRelease, DEFAULTS["release"])
     inp.note("lengths", cfg.dist or cfg.lengths or "the trace's", Source.GIVEN if (cfg.dist or cfg.lengths)
              else Source.FITTED, describe(source))
     for name in ("num_batches", "warmup_batches", "seed"):

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from knittrans.plan.policies import COLOCATED, Knob, PolicyFactory, knob
 from knittrans.plan.scenario import Scenario
 from knittrans.sim.config import FlowConfig, FlowKind, SimConfig
-from knittrans.sim.sweep import PointMetrics, run_config
+from knittrans.sim.sweep import PointMetrics, PointRun, run_config
 from knittrans.types import AdmissionKind
 
 
@@ -34,6 +34,11 @@ class Setting:
     def knob(self) -> Knob:
         return knob(self.policy)
 
+    @property
+    def short(self) -> str:
+        """``policy knob=value``, e.g. ``knittrans budget=0.5`` or ``bounded_async eta=2``."""
+        return COLOCATED if self.policy == COLOCATED else f"{self.policy} {self.knob.value}={self.value:g}"
+
     def label(self, prompts_per_batch: int) -> str:
         if self.policy == COLOCATED:
             return "synchronous (generate a batch, then train it)"
@@ -48,13 +53,22 @@ def budget_groups(setting: Setting, prompts_per_batch: int) -> int:
 
 @dataclass(frozen=True)
 class PlanPoint:
-    """A setting and what the simulator predicts for it."""
+    """A setting and what the simulator predicts for it (``run``: its steady-state metrics, or why none)."""
 
     setting: Setting
-    ok: bool
-    note: str = ""
-    stalled: bool = False
-    metrics: PointMetrics | None = None
+    run: PointRun
+
+    @property
+    def ok(self) -> bool:
+        return self.run.ok
+
+    @property
+    def note(self) -> str:
+        return self.run.note
+
+    @property
+    def metrics(self) -> PointMetrics | None:
+        return self.run.metrics
 
     @property
     def valid(self) -> bool:
@@ -81,8 +95,8 @@ def policy_name(s: Setting) -> str:
 
 def run_setting(scn: Scenario, s: Setting, factories: Mapping[str, PolicyFactory]) -> PlanPoint:
     policy = factories[policy_name(s)](scn.constraints)
-    r = run_config(setting_config(scn, s), policy, scn.batches, scn.warmup_batches, group_size=scn.group_size)
-    return PlanPoint(s, r.ok, r.note, r.stalled, r.metrics)
+    return PlanPoint(s, run_config(setting_config(scn, s), policy, scn.batches, scn.warmup_batches,
+                                   group_size=scn.group_size))
 
 
 _WORKER: tuple[Scenario, Mapping[str, PolicyFactory]] | None = None

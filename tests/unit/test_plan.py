@@ -124,7 +124,9 @@ def test_frontier_keeps_only_valid_undominated_points(small_plan):
         if p not in front:
             assert any(q.metrics.steps_per_s >= p.metrics.steps_per_s and
                        q.metrics.staleness_mean <= p.metrics.staleness_mean for q in front)
-    broken = dataclasses.replace(pts[-1], metrics=dataclasses.replace(pts[-1].metrics, dead_ends=1))
+    run = pts[-1].run
+    broken = dataclasses.replace(pts[-1], run=dataclasses.replace(run, metrics=dataclasses.replace(run.metrics,
+                                                                                                  dead_ends=1)))
     assert broken not in frontier([*pts[:-1], broken])
 
 
