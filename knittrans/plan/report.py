@@ -41,6 +41,7 @@ def document(plan: Plan, files: dict[str, str]) -> dict:
         "tool": "knittrans-plan", "target": str(plan.target),
         "inputs": [{**asdict(i), "source": i.source.value} for i in plan.scenario.inputs],
         "points": [point_doc(plan, p) for p in plan.points],
+        "frontiers": {k: [p.setting.short for p in front] for k, front in plan.frontiers.items()},
         "best": {k: (None if p is None else point_doc(plan, p)) for k, p in plan.best.items()},
         "recommendation": None if plan.recommendation is None else point_doc(plan, plan.recommendation),
         "unmet": None if plan.unmet is None else {"binding": plan.unmet.binding.value, "message": str(plan.unmet)},
