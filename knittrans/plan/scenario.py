@@ -226,10 +226,12 @@ def lengths_source(inp: InputLog, max_len_default: int) -> Lengths | LengthDist:
 
 def finish(inp: InputLog, source: Lengths | LengthDist, P: int, n: int, c: BatchConstraints,
            base: SimConfig) -> Scenario:
+    """The scenario, once the shape and the time model are resolved: the release convention, the batches drawn
+    from ``source``, and every input's row (the lengths first: the one input without a default)."""
     cfg = inp.cfg
     release = take_enum(inp, "release", BudgetRelease, DEFAULTS["release"])
-    inp.note("lengths", cfg.dist or cfg.lengths or "the trace's", Source.GIVEN if (cfg.dist or cfg.lengths)
-             else Source.FITTED, describe(source))
+    inp.rows.insert(0, InputValue("lengths", cfg.dist or cfg.lengths or "the trace's",
+                                  Source.GIVEN if (cfg.dist or cfg.lengths) else Source.FITTED, describe(source)))
     for name in ("num_batches", "warmup_batches", "seed"):
         inp.note(name, getattr(cfg, name), Source.DEFAULT if getattr(cfg, name) == getattr(PlanConfig, name, None)
                  else Source.GIVEN)
