@@ -13,7 +13,9 @@ staleness), by increasing throughput (``knittrans.staleness.pareto_front``). Sta
   above;
 - ``steps/s>=X``: the lowest mean staleness among points that reach X steps/s, ties to the faster.
 
-Exact ties go to the smaller knob value (less work in flight), then to the policy listed first.
+Exact ties go to the smaller knob value (less work in flight), then away from greedy streaming (which keeps the
+batch constraints only where it happens to meet no dead end; every other policy keeps them by construction), then
+to the policy listed first.
 
 A target no setting meets raises ``TargetUnreachable``, which names the constraint that binds and the best any
 setting reached.
@@ -30,6 +32,7 @@ from typing import Sequence
 from knittrans.plan.config import PlanError, PlanInputError
 from knittrans.plan.sweep import PlanPoint
 from knittrans.staleness import THROUGHPUT_TIE, OperatingPoint, pareto_front
+from knittrans.types import AdmissionKind
 
 class TargetKind(str, enum.Enum):
     MAX_THROUGHPUT = "max-throughput"
@@ -108,10 +111,14 @@ def frontier(points: Sequence[PlanPoint]) -> list[PlanPoint]:
     return [valid[int(op.budget)] for op in pareto_front(ops)]
 
 
+def _tie_break(p: PlanPoint) -> tuple[float, bool]:
+    return p.setting.value, p.setting.policy == AdmissionKind.GREEDY.value
+
+
 def _best_by_throughput(cands: list[PlanPoint], tie: float) -> PlanPoint:
     top = max(p.metrics.steps_per_s for p in cands)
     near = [p for p in cands if p.metrics.steps_per_s >= top * (1.0 - tie)]
-    return min(near, key=lambda p: (p.metrics.staleness_mean, -p.metrics.steps_per_s, p.setting.value))
+    return min(near, key=lambda p: (p.metrics.staleness_mean, -p.metrics.steps_per_s, *_tie_break(p)))
 
 
 def recommend(points: Sequence[PlanPoint], target: Target, tie: float = THROUGHPUT_TIE) -> PlanPoint:
@@ -125,7 +132,7 @@ def recommend(points: Sequence[PlanPoint], target: Target, tie: float = THROUGHP
     if not meet:
         raise _unreachable(valid, target)
     if target.kind is TargetKind.MIN_THROUGHPUT:
-        return min(meet, key=lambda p: (p.metrics.staleness_mean, -p.metrics.steps_per_s, p.setting.value))
+        return min(meet, key=lambda p: (p.metrics.staleness_mean, -p.metrics.steps_per_s, *_tie_break(p)))
     return _best_by_throughput(meet, tie)
 
 

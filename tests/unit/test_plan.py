@@ -175,3 +175,14 @@ def test_the_readme_planner_commands_run_as_written(tmp_path):
         r = _cli(shlex.split(cmd)[1:] + short, tmp_path)
         assert r.returncode == 0, (cmd, r.stderr[-2000:])
         assert json.loads(r.stdout.strip().splitlines()[-1])["recommendation"] is not None
+
+
+def test_an_exact_tie_goes_to_the_smaller_budget_then_away_from_greedy(small_plan):
+    from knittrans.plan import recommend
+    from knittrans.plan.sweep import PlanPoint, Setting
+
+    m = small_plan.of("knittrans")[-1].run
+    pts = [PlanPoint(Setting("greedy", 1.0), m), PlanPoint(Setting("knittrans", 2.0), m),
+           PlanPoint(Setting("knittrans", 1.0), m)]
+    assert recommend(pts, Target.parse("max-throughput")).setting == Setting("knittrans", 1.0)
+    assert recommend(pts[:2], Target.parse("max-throughput")).setting == Setting("greedy", 1.0)  # smaller budget
