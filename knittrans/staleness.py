@@ -116,6 +116,8 @@ class RunMetrics:
     dead_ends: int
     violations: int
     wasted_tokens: int
+    steps_per_s: float
+    """Optimizer steps per second of steady state (the window's steps over its span)."""
 
 
 def window(result, warmup_batches: int) -> tuple[np.ndarray, float, float, list]:
@@ -155,7 +157,7 @@ def run_metrics(result, warmup_batches: int = 1, colocated_mean: float | None = 
         throughput_traj_s=float(mask.sum()) / span, throughput_tok_s=float(r.length[mask].sum()) / span,
         trainer_idle_frac=1.0 - busy / span, rollout_idle_frac=rollout_idle, steps=len(win),
         trajectories=int(mask.sum()), dead_ends=result.policy_stats.dead_ends,
-        violations=result.policy_stats.violations, wasted_tokens=result.wasted_tokens)
+        violations=result.policy_stats.violations, wasted_tokens=result.wasted_tokens, steps_per_s=len(win) / span)
 
 
 def pre_queue_staleness(result) -> np.ndarray:

@@ -8,9 +8,9 @@ System at Scale", arXiv:2503.14476, and its verl recipe ``recipe/dapo``):
 - responses up to 20480 tokens (``max_response_length=20480``, with a 4096-token overlong buffer), prompts up
   to 2048 tokens (``max_prompt_length=2048``).
 
-The length distribution is ours (an assumption, not a published figure): log-normal with a median of 3000 tokens,
-so the mean is about 4.5k tokens, in the range of the mean response lengths DAPO's training curves show, and a
-tail truncated at the maximum (truncated responses come back at exactly ``max_response_len``, as an overlong
+The length distribution is ours (an assumption, not a published figure; ``knittrans.sim.lengths.LengthDist``):
+log-normal with a median of 3000 tokens, so the mean is about 4.5k tokens, in the range of the mean response
+lengths DAPO's training curves show, and a tail truncated at the maximum (truncated responses come back at exactly ``max_response_len``, as an overlong
 response does). Half of the log-variance is per prompt (hard prompts give long answers for all their samples),
 which is what makes the longest member of a group much longer than the mean.
 """
@@ -21,36 +21,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from knittrans.types import BatchPlan, GroupSpec, WorkloadBatch
+from knittrans.sim.lengths import TAILS, LengthDist, batches_of
+from knittrans.types import WorkloadBatch
 
-
-@dataclass(frozen=True)
-class LengthDist:
-    median: float = 3000.0
-    """Median response length in tokens."""
-    sigma: float = 0.9
-    """Log-normal shape: standard deviation of log(length). 0.9 'light' tail, 1.3 'heavy' tail."""
-    prompt_share: float = 0.5
-    """Fraction of the log-variance that is shared by the samples of one prompt (0: independent samples)."""
-    max_len: int = 20480
-    """Truncation: longer responses are cut to exactly this length."""
-    min_len: int = 16
-    """Shortest response (an answer with no reasoning)."""
-
-    def __post_init__(self) -> None:
-        if not (self.median > 0 and self.sigma >= 0 and 0 <= self.prompt_share <= 1
-                and 1 <= self.min_len <= self.max_len):
-            raise ValueError(f"LengthDist: invalid parameters {self}")
-
-    def sample(self, rng: np.random.Generator, groups: int, n: int) -> np.ndarray:
-        """Lengths of ``groups`` groups of ``n`` samples, shape [groups, n], int64."""
-        sp = self.sigma * np.sqrt(self.prompt_share)
-        ss = self.sigma * np.sqrt(1.0 - self.prompt_share)
-        log = np.log(self.median) + sp * rng.standard_normal((groups, 1)) + ss * rng.standard_normal((groups, n))
-        return np.clip(np.exp(log), self.min_len, self.max_len).astype(np.int64)
-
-
-TAILS = {"light": 0.9, "heavy": 1.3}
+__all__ = ["TAILS", "LengthDist", "TextWorkloadConfig", "dapo", "generate_batches", "small"]
 
 
 @dataclass(frozen=True)
@@ -97,13 +71,8 @@ def generate_batches(cfg: TextWorkloadConfig, num_batches: int, seed: int) -> li
                     step = 1 if sizes.sum() < cfg.batch_total else -1
                     if lo <= sizes[i] + step <= cfg.group_size:
                         sizes[i] += step
-        groups, lengths = [], {}
-        for i in range(cfg.prompts_per_batch):
-            gid = b * cfg.prompts_per_batch + i
-            size = int(sizes[i])
-            groups.append(GroupSpec(gid, b, size, cfg.prompt_len))
-            lengths[gid] = lens[i, :size]
-        out.append(WorkloadBatch(BatchPlan(b, tuple(groups)), lengths))
+        out += batches_of([lens[i, :int(sizes[i])] for i in range(cfg.prompts_per_batch)], cfg.prompts_per_batch,
+                          cfg.prompt_len, first_batch=b)
     return out
 
 

@@ -43,6 +43,21 @@ from knittrans.types import (AdmissionKind, BatchPlan, ExecutionMode, GroupSpec,
 
 PolicyFactory = Callable[[AdmissionKind, BatchConstraints], AdmissionPolicy]
 
+FLOW_DETERMINED_SPREAD = 0.01
+"""Steps: a setting whose predicted mean staleness moves less than this when rollout runs 2x faster or slower
+(``timing_spread``) is flow-determined: flow control alone sets its staleness, so any predictor that knows the
+budget gets it right, and it says nothing about the time model."""
+
+
+def heldout_error(predicted: float, measured: float) -> float:
+    """Error of a mean-staleness prediction: ``|predicted - measured| / max(measured, 1)`` (a floor of one step,
+    the resolution of staleness, so that near-zero staleness does not blow the ratio up).
+
+    >>> heldout_error(2.2, 2.0), heldout_error(0.3, 0.1)
+    (0.10000000000000009, 0.19999999999999998)
+    """
+    return abs(predicted - measured) / max(measured, 1.0)
+
 
 @dataclass(frozen=True)
 class TimeModel:

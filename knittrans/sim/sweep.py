@@ -97,9 +97,17 @@ class SystemModel:
         """Rollout throughput over trainer throughput (> 1: the trainer is the bottleneck): the trainer's seconds
         per batch over the seconds rollout needs for a batch with every slot busy."""
         engine, trainer = self.scaled(batch_size, num_minibatches, group_size)
-        tokens = batch_size * mean_len
-        rollout_s = tokens * engine.tpot / (engine.num_engines * engine.slots)
-        return (num_minibatches * trainer.step_overhead + trainer.per_token * tokens) / rollout_s
+        return capacity_ratio(engine, trainer, batch_size, num_minibatches, mean_len)
+
+
+def capacity_ratio(engine: EngineConfig, trainer: TrainerConfig, batch_size: int, num_minibatches: int,
+                   mean_len: float) -> float:
+    """Rollout throughput over trainer throughput (> 1: the trainer is the bottleneck) of ``engine`` and
+    ``trainer``: the trainer's seconds per batch of ``batch_size`` responses of ``mean_len`` tokens in
+    ``num_minibatches`` steps, over the seconds rollout needs for it with every slot busy at light load."""
+    tokens = batch_size * mean_len
+    rollout_s = tokens * engine.tpot / (engine.num_engines * engine.slots)
+    return (num_minibatches * trainer.step_overhead + trainer.per_token * tokens) / rollout_s
 
 
 @dataclass(frozen=True)
@@ -171,6 +179,8 @@ class PointMetrics:
     rollout_trainer_ratio: float
     hist: tuple[int, ...] = ()
     """Trajectories per staleness value 0, 1, ... in the window (only when asked for)."""
+    steps_per_s: float = float("nan")
+    """Optimizer steps per second of steady state."""
 
 
 @dataclass(frozen=True)
@@ -199,23 +209,38 @@ class PointOutcome:
     timeline: Timeline | None = None
 
 
-def measure(spec: PointSpec, policy: AdmissionPolicy, batches: Sequence[WorkloadBatch], keep_hist: bool = False,
-            timeline_batch: int | None = None) -> PointOutcome:
-    """Simulate ``policy`` (built for ``spec.constraints(...)``) over ``batches`` and reduce the run to its
-    steady-state metrics. A budget below one mini-batch is not applicable; a stall is reported, not raised."""
-    cfg = spec.sim_config(record_timeline=timeline_batch is not None)
+@dataclass(frozen=True)
+class PointRun:
+    """One simulated run reduced to its steady-state metrics, or why it has none."""
+
+    ok: bool
+    note: str = ""
+    """Why the point did not run (not applicable, or a stall)."""
+    stalled: bool = False
+    """The run deadlocked: trajectories were left that the policy never admitted."""
+    metrics: PointMetrics | None = None
+    timeline: Timeline | None = None
+
+
+def run_config(cfg: SimConfig, policy: AdmissionPolicy, batches: Sequence[WorkloadBatch], warmup_batches: int,
+               keep_hist: bool = False, timeline_batch: int | None = None, group_size: int | None = None) -> PointRun:
+    """Simulate ``policy`` over ``batches`` with ``cfg`` and reduce the run to its steady-state metrics (after
+    ``warmup_batches`` batches). A budget below one mini-batch (of groups of ``group_size``, default the largest
+    group in ``batches``) is not applicable; a stall is reported, not raised. ``cfg.record_timeline`` must be set
+    when ``timeline_batch`` is given."""
     c = policy.constraints
-    if cfg.flow.kind is FlowKind.GROUPS and cfg.flow.budget_groups * spec.group_size < c.min_minibatch_size:
-        return PointOutcome(spec, False, "budget below one mini-batch")
+    largest = group_size or max((g.size for wb in batches for g in wb.plan.groups), default=1)
+    if cfg.flow.kind is FlowKind.GROUPS and cfg.flow.budget_groups * largest < c.min_minibatch_size:
+        return PointRun(False, "budget below one mini-batch")
     try:
         res = simulate(cfg, policy, batches)
     except SimDeadlock as e:
-        return PointOutcome(spec, False, f"stalled: {e}", stalled=True)
-    m = run_metrics(res, warmup_batches=spec.warmup_batches, engine_slots=cfg.engine.slots)
+        return PointRun(False, f"stalled: {e}", stalled=True)
+    m = run_metrics(res, warmup_batches=warmup_batches, engine_slots=cfg.engine.slots)
     mean_len = float(np.mean(res.records.length))
     hist: tuple[int, ...] = ()
     if keep_hist:
-        mask, *_ = window(res, spec.warmup_batches)
+        mask, *_ = window(res, warmup_batches)
         hist = tuple(int(x) for x in np.bincount(res.records.staleness[mask].astype(np.int64)))
     metrics = PointMetrics(
         staleness_mean=m.staleness.mean, staleness_p50=m.staleness.p50, staleness_p99=m.staleness.p99,
@@ -224,11 +249,19 @@ def measure(spec: PointSpec, policy: AdmissionPolicy, batches: Sequence[Workload
         admission_delay_s=m.admission_delay_mean, trainer_idle=m.trainer_idle_frac, rollout_idle=m.rollout_idle_frac,
         violations=m.violations, dead_ends=m.dead_ends, wasted_tokens=m.wasted_tokens,
         unknown_checks=res.policy_stats.unknown,
-        rollout_trainer_ratio=spec.system.rollout_trainer_ratio(spec.batch_size, spec.num_minibatches, mean_len,
-                                                                spec.group_size),
-        hist=hist)
+        rollout_trainer_ratio=capacity_ratio(cfg.engine, cfg.trainer, c.batch_size, c.num_minibatches, mean_len),
+        hist=hist, steps_per_s=m.steps_per_s)
     timeline = timeline_of(res, timeline_batch) if timeline_batch is not None else None
-    return PointOutcome(spec, True, metrics=metrics, timeline=timeline)
+    return PointRun(True, metrics=metrics, timeline=timeline)
+
+
+def measure(spec: PointSpec, policy: AdmissionPolicy, batches: Sequence[WorkloadBatch], keep_hist: bool = False,
+            timeline_batch: int | None = None) -> PointOutcome:
+    """Simulate ``policy`` (built for ``spec.constraints(...)``) over ``batches`` at ``spec``'s operating point
+    (``run_config`` with ``spec.sim_config()``)."""
+    cfg = spec.sim_config(record_timeline=timeline_batch is not None)
+    r = run_config(cfg, policy, batches, spec.warmup_batches, keep_hist, timeline_batch, spec.group_size)
+    return PointOutcome(spec, r.ok, r.note, r.stalled, r.metrics, r.timeline)
 
 
 def timeline_of(res: SimResult, batch: int) -> Timeline:

@@ -35,12 +35,10 @@ from typing import Sequence
 
 import numpy as np
 
+from knittrans.sim.calibrate import FLOW_DETERMINED_SPREAD, heldout_error
 from repro.spec.core import Bound, Claim, ClaimKind, Measured, Trial, median_range, not_measured, trial
 
 TABLE = "sim-vs-real"
-FLOW_DETERMINED_SPREAD = 0.01
-"""Steps: a setting whose predicted mean staleness moves less than this when rollout runs 2x faster or slower is
-flow-determined."""
 
 
 @trial(TABLE)
@@ -71,8 +69,8 @@ class SimCheckRun(Trial):
         return self.mode, self.budget, self.sync, self.wave_groups
 
 
-def rel_error(predicted: float, measured: float) -> float:
-    return abs(predicted - measured) / max(measured, 1.0)
+rel_error = heldout_error
+"""The error of a prediction (``knittrans.sim.calibrate.heldout_error``, which the planner reports too)."""
 
 
 def setting_errors(rows: Sequence[Trial], which: str, role: str = "heldout",
