@@ -52,6 +52,7 @@ from baselines.centralized_system import CentralOverlap
 from knittrans.bench.loop import finish_raw, finish_steady, merge_traces, step_key
 from knittrans.bench.ray_ranks import RaySession, actor_wait, pinned
 from knittrans.bench.types import BenchLayout, PassData, PassResult
+from knittrans.dataplane.trace import CpuEvent, FlowEvent
 
 MM_KEY = "multi_modal_inputs"
 
@@ -251,13 +252,36 @@ class VerlSystem:
     """verl's step (see the module docstring) on its own worker group; the session's signal board paces it."""
 
     def __init__(self, name: str, layout: BenchLayout, session: RaySession, config: VerlConfig = VerlConfig(),
-                 overlap: CentralOverlap = CentralOverlap.BUILD_AHEAD, record_rows: bool = False) -> None:
+                 overlap: CentralOverlap = CentralOverlap.BUILD_AHEAD, record_rows: bool = False,
+                 trace: bool = False) -> None:
         self.name, self.layout, self.session, self.config = name, layout, session, config
         self.overlap = CentralOverlap(overlap)
         self.record_rows = record_rows
         """Ranks keep every row they trained on (``verl_worker.ReceivedRow``; ``received`` after a pass)."""
+        self.trace = trace
+        """On a cluster (``layout.placement``), raw passes record the driver's path (``PassResult.trace``, as
+        ``CentralizedSystem``'s): one pull per rollout output ("gather"), the unpickle ("deser"), concat, repeat,
+        union and balance ("build"); per dispatch (keys "d<i>") the conversion to a TensorDict ("convert") and
+        verl's dispatch function (chunk per rank and ``parallel_put``: "ser"), per rank (keys "d<i>/r<rank>") the
+        chunk's pull to the rank ("scatter": the put's end -> the rank's method started) and the rank's work
+        ("tail"); after each forward dispatch the results' return ("ret": the slowest rank's end -> verl's collect
+        returned) and the union ("union"). Traced, a worker-group call runs verl's own steps one by one (the
+        method's registered dispatch function, ``execute_all``, ``ray.get``, its collect function: what
+        ``RayWorkerGroup``'s bound method runs) with a clock between them."""
         self.received: list = []
+        self._events: list = []
+        self._ser: dict[str, CpuEvent] = {}
+        self._t_ret: dict[str, float] = {}
+        self._source_of: dict = {}  # rollout output ref -> (its node, its payload bytes), on a cluster
         self.wg = worker_group(layout, session)
+
+    @property
+    def _traced(self) -> bool:
+        return self.trace and self.layout.placement is not None
+
+    def _cpu(self, label: str, t_start: float, key: str = "") -> None:
+        if self._traced:
+            self._events.append(CpuEvent(label, self.layout.placement.driver_node, t_start, time.perf_counter(), key))
 
     @property
     def ranks(self) -> int:
@@ -276,13 +300,50 @@ class VerlSystem:
         place = self.layout.placement
         if place is None:
             return [ray.put(o) for o in outs]
-        refs = [_rollout_output.options(**pinned(place.unit_nodes[w % len(place.unit_nodes)])).remote(o)
-                for w, o in enumerate(outs)]
+        nodes = [place.unit_nodes[w % len(place.unit_nodes)] for w in range(W)]
+        refs = [_rollout_output.options(**pinned(n)).remote(o) for n, o in zip(nodes, outs)]
         ray.wait(refs, num_returns=len(refs), fetch_local=False)  # written before t0, on the rollout nodes
+        self._source_of.update({ref: (n, proto_nbytes(o)) for ref, n, o in zip(refs, nodes, outs)})
         return refs
 
+    def _traced_gather(self, refs: list) -> list:
+        """``ray.get(refs)`` split into one pull per rollout output (a flow each) and the unpickle."""
+        driver, t0 = self.layout.placement.driver_node, time.perf_counter()
+        pending, arrived = list(refs), {}
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, fetch_local=True)
+            arrived[ready[0]] = time.perf_counter()
+        for ref in refs:
+            src, nb = self._source_of.pop(ref)
+            self._events.append(FlowEvent("gather", src, driver, nb, t0, arrived[ref]))
+        t1 = time.perf_counter()
+        out = ray.get(refs)
+        self._cpu("deser", t1)
+        return out
+
     def build(self, refs: list, d: PassData) -> Built:
-        return build(ray.get(refs), d, self.ranks, padded_lengths(d, self.config)[1])
+        gathered = self._traced_gather(refs) if self._traced else ray.get(refs)
+        t = time.perf_counter()
+        built = build(gathered, d, self.ranks, padded_lengths(d, self.config)[1])
+        self._cpu("build", t)
+        return built
+
+    def _call(self, method: str, td, label: str):  # noqa: ANN001, ANN202 - a TensorDict in, the collected one out
+        """``wg.<method>(td)``; traced, verl's steps of that call one by one (see ``trace``)."""
+        if not self._traced:
+            return getattr(self.wg, method)(td)
+        from verl.single_controller.base.decorator import MAGIC_ATTR
+
+        from baselines.verl_worker import VerlRank
+
+        mode = getattr(getattr(VerlRank, method), MAGIC_ATTR)["dispatch_mode"]  # the nd-compute dispatch's functions
+        t = time.perf_counter()
+        args, kwargs = mode["dispatch_fn"](self.wg, td)
+        self._cpu("ser", t, label)
+        self._ser[label] = self._events[-1]
+        out = mode["collect_fn"](self.wg, ray.get(self.wg.execute_all(method, *args, **kwargs)))
+        self._t_ret[label] = time.perf_counter()
+        return out
 
     def _forward(self, built: Built, run, ref: bool) -> tuple[int, int]:  # noqa: ANN001 - a VerlRun
         """``_compute_old_log_prob`` (or ``_compute_ref_log_prob``): convert, dispatch, pad back, union. Returns the
@@ -293,13 +354,17 @@ class VerlSystem:
 
         from baselines.verl_worker import payload_nbytes, pixel_nbytes
 
+        t = time.perf_counter()
         td = left_right_2_no_padding(built.batch.to_tensordict())
         tu.assign_non_tensor(td, calculate_entropy=not ref, compute_loss=False, knittrans_run=run)
+        self._cpu("convert", t, run.label)
         sent = (payload_nbytes(td), pixel_nbytes(td))
-        out = (self.wg.compute_ref_log_prob if ref else self.wg.compute_log_prob)(td)
+        out = self._call("compute_ref_log_prob" if ref else "compute_log_prob", td, run.label)
+        t = time.perf_counter()
         lp = no_padding_2_padding(tu.get(out, "log_probs"), td)
         key = "ref_log_prob" if ref else "old_log_probs"
         built.batch = built.batch.union(DataProto.from_tensordict(tu.get_tensordict({key: lp.float()})))
+        self._cpu("union", t, run.label)
         return sent
 
     def _update_td(self, built: Built, d: PassData, run):  # noqa: ANN001, ANN202 - a VerlRun -> TensorDict
@@ -308,12 +373,14 @@ class VerlSystem:
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.padding import left_right_2_no_padding
 
+        t = time.perf_counter()
         built.batch = built.batch.union(DataProto.from_dict(built.rewards))
         td = left_right_2_no_padding(built.batch.to_tensordict())
         per_minibatch = len(built.batch) // d.num_minibatches
         tu.assign_non_tensor(td, calculate_entropy=False, global_batch_size=per_minibatch,
                              mini_batch_size=per_minibatch, epochs=1, seed=42, dataloader_kwargs={"shuffle": False},
                              compute_loss=True, knittrans_run=run)
+        self._cpu("convert", t, run.label)
         return td
 
     def _runs(self, d: PassData, t0: float, iters_per_token: float, batch: int, tag: int,
@@ -338,19 +405,38 @@ class VerlSystem:
         return td, a[0] + b[0] + payload_nbytes(td), a[1] + b[1] + pixel_nbytes(td)
 
     def _drain(self) -> list:
-        """Every rank's update traces since the last drain, one list per call (rank order), and their rows."""
+        """Every rank's update traces since the last drain, one list per call (rank order); the rows and, traced,
+        the ranks' side of the pass's events."""
         out = self.wg.drain_traces()
         self.received = [row for _, _, rows in out for row in rows]
+        if self._traced:
+            self._rank_events([c for _, calls, _ in out for c in calls])
         return [[tr] for traces, _, _ in out for tr in traces]
+
+    def _rank_events(self, calls: list) -> None:
+        """Per dispatch and rank, the chunk's pull (verl's put ended -> the rank's method started) and the rank's
+        work; after a forward dispatch, the return (the slowest rank's end -> the collect returned)."""
+        place = self.layout.placement
+        for c in calls:
+            key, node = f"{c.label}/r{c.rank}", place.rank_nodes[c.rank]
+            self._events += [FlowEvent("scatter", place.driver_node, node, c.nbytes, self._ser[c.label].t_end,
+                                       c.t_start, key),
+                             CpuEvent("tail", node, c.t_start, c.t_end, key)]
+        for label, t in self._t_ret.items():
+            last = max(c.t_end for c in calls if c.label == label)
+            self._events.append(CpuEvent("ret", place.driver_node, min(last, t), t, label))
 
     def run_raw(self, batch: PassData) -> PassResult:
         refs = self.stage(batch)
+        self._events, self._ser, self._t_ret = [], {}, {}
         t0 = time.perf_counter()
         built = self.build(refs, batch)
         td, moved, pixels = self._dispatch(built, batch, t0, 0.0, 0, batch.batch_id, t0)
-        self.wg.update_actor(td)
+        self._call("update_actor", td, "d2")
+        self._t_ret.pop("d2", None)  # the pass ends when the ranks hold their shares, not when the update returns
         res = finish_raw(merge_traces(self._drain()), t0, built.gather_bytes + moved)
-        return dataclasses.replace(res, pixel_nbytes=pixels)
+        res = dataclasses.replace(res, pixel_nbytes=pixels)
+        return dataclasses.replace(res, trace=tuple(self._events), t0=t0) if self._traced else res
 
     def run_steady(self, batches: Sequence[PassData], iters_per_token: float) -> PassResult:
         refs = [self.stage(d) for d in batches]  # written while generating, before t0 (as for every system)

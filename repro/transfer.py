@@ -7,9 +7,13 @@ seeded batches, trainer-rank actors, emulated compute and rollout clock (``knitt
 - ``centralized``: verl's DataProto path with train-batch admission (``baselines.centralized_system``): the driver
   waits for the whole batch, gathers, repeats prompts (and images), pads to the batch's longest, balances, scatters.
 - ``centralized-padmax`` (text): the same, padding to the configured maxima as verl's rollout ships.
-- ``verl-mm`` (multimodal): verl's own multimodal step (``baselines.verl_mm``): per-sample ``multi_modal_inputs``
-  dicts of torch tensors in a DataProto, gathered to the driver, then shipped to the ranks for each of verl's three
-  dispatches per step (old log-prob, reference log-prob, update).
+- ``verl`` (both workloads): verl's own code (``baselines.verl_system``, the installed verl, 0.9.1): a real
+  ``DataProto`` (multimodal: per-row ``multi_modal_inputs`` dicts) gathered, repeated, balanced on the driver and
+  moved to the ranks through verl's single controller (``RayWorkerGroup``, the actor's nd-compute dispatch) for each
+  of the three dispatches of a step (old log-prob, reference log-prob, update), padded as verl's agent loop pads
+  (text: to ``max_prompt_len`` / ``max_response_len``).
+- ``verl-mm`` (multimodal): our earlier re-implementation of verl's multimodal step (``baselines.verl_mm``), run
+  beside ``verl`` to record how far it was from verl's code (docs/experiments.md, session 28).
 - ``transferqueue`` (when installed): TransferQueue's KV API (``baselines.transferqueue_system``; multimodal:
   per-trajectory fields with each sample's own images, no dedup).
 - ``knittrans-ray``: ``knittrans.Handoff`` on Ray: admission in the controller as the producers' completing puts
@@ -60,6 +64,7 @@ class System(str, Enum):
     KNITTRANS_RAY_NOPREFETCH = "knittrans-ray-noprefetch"
     KNITTRANS_INPROC = "knittrans-inproc"
     VERL_MM = "verl-mm"
+    VERL = "verl"
 
 
 class Workload(str, Enum):
@@ -67,7 +72,7 @@ class Workload(str, Enum):
     MULTIMODAL = "multimodal"
 
 
-MM_SYSTEMS = (System.CENTRALIZED, System.VERL_MM, System.TRANSFERQUEUE, System.KNITTRANS_RAY,
+MM_SYSTEMS = (System.CENTRALIZED, System.VERL, System.VERL_MM, System.TRANSFERQUEUE, System.KNITTRANS_RAY,
               System.KNITTRANS_RAY_NOPREFETCH, System.KNITTRANS_INPROC)
 """padmax is the text table's variant. TransferQueue moves per-trajectory fields with each sample's own images."""
 TEXT_SYSTEMS = tuple(s for s in System if s is not System.VERL_MM)
@@ -190,6 +195,11 @@ def make_system(kind: System, cfg: TransferConfig, layout: BenchLayout, session)
         return CentralizedSystem(kind.value, layout, session, conf, CentralOverlap(cfg.central_overlap))
     if kind is System.VERL_MM:
         return VerlMMSystem(kind.value, layout, session, CentralOverlap(cfg.central_overlap))
+    if kind is System.VERL:  # verl's agent loop pads to rollout.prompt_length / response_length (text's maxima)
+        from baselines.verl_system import VerlConfig, VerlSystem
+
+        conf = VerlConfig() if mm else VerlConfig(cfg.text.max_prompt_len, cfg.text.max_response_len)
+        return VerlSystem(kind.value, layout, session, conf, CentralOverlap(cfg.central_overlap))
     if kind is System.TRANSFERQUEUE:
         from baselines.transferqueue_system import TransferQueueSystem
         from knittrans.dataplane.types import TEXT_SCHEMA
@@ -200,7 +210,8 @@ def make_system(kind: System, cfg: TransferConfig, layout: BenchLayout, session)
                            prefetch=kind is not System.KNITTRANS_RAY_NOPREFETCH, session=session)
 
 
-def trial_row(cfg: TransferConfig, rec: PassRecord, memcpy: float, distinct_pixel_bytes: int) -> TransferTrialBase:
+def trial_row(cfg: TransferConfig, rec: PassRecord, memcpy: float, distinct_pixel_bytes: int,
+              verl_version: str | None = None) -> TransferTrialBase:
     st, raw = rec.steady, rec.raw
     last = raw or st
     assert last is not None
@@ -219,6 +230,8 @@ def trial_row(cfg: TransferConfig, rec: PassRecord, memcpy: float, distinct_pixe
         common.update(zip(("claim_s", "read_s", "pack_s", "pack_cpu_s"),
                           (s if np.isfinite(s) else None for s in sums[:4])))
         common["map_fallbacks"] = int(sums[4])
+    if rec.system == System.VERL.value:
+        common["verl_version"] = verl_version
     if Workload(cfg.workload) is Workload.MULTIMODAL:
         return MMTransferTrial(**common, group_size=cfg.multimodal.group_size, pixel_bytes=last.pixel_nbytes,
                                distinct_pixel_bytes=distinct_pixel_bytes)
@@ -249,6 +262,8 @@ def measure(cfg: TransferConfig, progress: bool = True) -> tuple[list[TransferTr
     from knittrans.bench.ray_ranks import RaySession
 
     cpus = max(cfg.ray_num_cpus, tqa.required_ray_cpus(cfg.tq_storage_units) + 1)
+    if System.VERL in kinds:  # verl's CPU resource pool: one bundle of one CPU per rank
+        cpus += cfg.num_ranks
     with (RaySession(cfg.num_ranks, cpus) if need_ray else contextlib.nullcontext()) as session:
         if need_ray:  # two of the baseline's dense batches (~10x the ragged fields, plus every image occurrence)
             session.warm_object_store(2 * (probe.occurrence_pixel_nbytes + 10 * probe.field_nbytes))
@@ -267,7 +282,12 @@ def measure(cfg: TransferConfig, progress: bool = True) -> tuple[list[TransferTr
             for s in systems:
                 s.close()
     measured = src.make(0, cfg.num_batches if cfg.raw_pass else cfg.num_batches - 1)  # the slot rows report
-    rows = [trial_row(cfg, r, memcpy, measured.distinct_pixel_nbytes) for r in records]
+    version = None
+    if System.VERL in kinds:
+        from baselines.verl_system import verl_version
+
+        version = verl_version()
+    rows = [trial_row(cfg, r, memcpy, measured.distinct_pixel_nbytes, version) for r in records]
     return rows, {"notes": notes, "memcpy": memcpy, "iters_per_token": ipt, "description": src.describe()}
 
 
