@@ -109,8 +109,8 @@ def test_multi_raylet_passes_record_cross_node_flows_for_both_systems(tmp_path):
                         passes=1, calibration_mib=[2, 8], logger="none")
     trace = multi_raylet_trace(cfg, passes_of(cfg), {"memcpy_gbps": 5.0})
     t = read_trace(write_trace(tmp_path / "trace.jsonl", trace))
-    assert {p.system for p in t.passes} == {"centralized", "knittrans-ray", "verl-mm"}
-    verl = next(p for p in t.passes if p.system == "verl-mm")  # three dispatches of every rank's chunk
+    assert {p.system for p in t.passes} == {"centralized", "knittrans-ray", "verl"}
+    verl = next(p for p in t.passes if p.system == "verl")  # three dispatches of every rank's chunk
     scat = [e for e in verl.events if isinstance(e, cluster_model.FlowEvent) and e.label == "scatter"]
     assert len(scat) == 3 * cfg.num_ranks and {e.key.split("/")[0] for e in scat} == {"d0", "d1", "d2"}
     for p in t.passes:
