@@ -49,7 +49,7 @@ import ray
 import torch
 
 from baselines.centralized import balance_plan
-from baselines.centralized_system import CentralOverlap
+from baselines.centralized_system import CentralOverlap, traced_gather
 from knittrans.bench.loop import finish_raw, finish_steady, merge_traces, step_key
 from knittrans.bench.ray_ranks import RankRun, RaySession, actor_wait, pinned
 from knittrans.bench.types import BenchLayout, Obtained, PassData, PassResult
@@ -277,17 +277,9 @@ class VerlMMSystem:
 
     def _traced_gather(self, refs: list) -> list:
         """``ray.get(refs)`` split into one pull per rollout output (a flow each) and the unpickle."""
-        driver, t0 = self.layout.placement.driver_node, time.perf_counter()
-        pending, arrived = list(refs), {}
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, fetch_local=True)
-            arrived[ready[0]] = time.perf_counter()
-        for ref in refs:
-            src, nb = self._source_of.pop(ref)
-            self._events.append(FlowEvent("gather", src, driver, nb, t0, arrived[ref]))
-        t1 = time.perf_counter()
-        out = ray.get(refs)
-        self._events.append(CpuEvent("deser", driver, t1, time.perf_counter()))
+        sources = [self._source_of.pop(ref) for ref in refs]
+        out, events = traced_gather(refs, sources, self.layout.placement.driver_node)
+        self._events += events
         return out
 
     def build(self, refs: list, d: PassData) -> Built:

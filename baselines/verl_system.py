@@ -48,7 +48,7 @@ import numpy as np
 import ray
 import torch
 
-from baselines.centralized_system import CentralOverlap
+from baselines.centralized_system import CentralOverlap, traced_gather
 from knittrans.bench.loop import finish_raw, finish_steady, merge_traces, step_key
 from knittrans.bench.ray_ranks import RaySession, actor_wait, pinned
 from knittrans.bench.types import BenchLayout, PassData, PassResult
@@ -308,17 +308,9 @@ class VerlSystem:
 
     def _traced_gather(self, refs: list) -> list:
         """``ray.get(refs)`` split into one pull per rollout output (a flow each) and the unpickle."""
-        driver, t0 = self.layout.placement.driver_node, time.perf_counter()
-        pending, arrived = list(refs), {}
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, fetch_local=True)
-            arrived[ready[0]] = time.perf_counter()
-        for ref in refs:
-            src, nb = self._source_of.pop(ref)
-            self._events.append(FlowEvent("gather", src, driver, nb, t0, arrived[ref]))
-        t1 = time.perf_counter()
-        out = ray.get(refs)
-        self._cpu("deser", t1)
+        sources = [self._source_of.pop(ref) for ref in refs]
+        out, events = traced_gather(refs, sources, self.layout.placement.driver_node)
+        self._events += events
         return out
 
     def build(self, refs: list, d: PassData) -> Built:

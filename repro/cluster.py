@@ -43,8 +43,9 @@ from workloads.multimodal_data import MMTransferWorkload
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "cluster_trace.jsonl"
 """A recorded multi-raylet trace (``python -m repro.cluster``'s trace.jsonl): the gate checks the model on it."""
 FIXTURE_VERL = FIXTURE.with_name("cluster_trace_verl.jsonl")
-"""A recorded run with the faithful verl baseline (verl-mm) beside both systems: tests check the model's
-``verl_graph`` and the projection against verl-mm on it."""
+"""A recorded run with verl's own code (verl, verl 0.9.1) and our earlier re-implementation of it (verl-mm) beside
+both systems (``python -m repro.cluster verl_mm=true``, session 28): tests check the model's ``verl_wg_graph`` and
+``verl_graph`` on it and the projection against verl."""
 
 
 @dataclass

@@ -241,6 +241,15 @@ def central_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
     return tasks
 
 
+def _gather_build(cpu: Mapping[tuple[str, str], CpuEvent], flows: Sequence[FlowEvent]) -> list[Task]:
+    """The verl drivers' start: every rollout output pulled to the driver at once ("gather" flows), the unpickle
+    ("deser") and the build ("build"), the last task named "build"."""
+    gathers = [f for f in flows if f.label == "gather"]
+    tasks = [Task(f"gather{i}", src=f.src, dst=f.dst, nbytes=f.nbytes) for i, f in enumerate(gathers)]
+    return tasks + [Task("deser", tuple(t.name for t in tasks), _dur(cpu[("deser", "")])),
+                    Task("build", ("deser",), _dur(cpu[("build", "")]))]
+
+
 def verl_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
     """The faithful verl baseline's raw pass (``baselines.verl_mm``): the gather, unpickle ("deser") and build as
     ``central_graph``'s, then three dispatches of the same rows in order (keys "d<i>/r<rank>": old log-prob,
@@ -250,10 +259,7 @@ def verl_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
     next dispatch's serialization. Every CpuEvent's measured duration; every flow's bytes."""
     cpu = {(e.label, e.key): e for e in events if isinstance(e, CpuEvent)}
     flows = [e for e in events if isinstance(e, FlowEvent)]
-    gathers = [f for f in flows if f.label == "gather"]
-    tasks = [Task(f"gather{i}", src=f.src, dst=f.dst, nbytes=f.nbytes) for i, f in enumerate(gathers)]
-    tasks += [Task("deser", tuple(t.name for t in tasks), _dur(cpu[("deser", "")])),
-              Task("build", ("deser",), _dur(cpu[("build", "")]))]
+    tasks = _gather_build(cpu, flows)
     by_dispatch: dict[str, list[FlowEvent]] = {}
     for f in flows:
         if f.label == "scatter":
@@ -285,10 +291,7 @@ def verl_wg_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
     the next conversion. Every CpuEvent's measured duration; every flow's bytes."""
     cpu = {(e.label, e.key): e for e in events if isinstance(e, CpuEvent)}
     flows = [e for e in events if isinstance(e, FlowEvent)]
-    gathers = [f for f in flows if f.label == "gather"]
-    tasks = [Task(f"gather{i}", src=f.src, dst=f.dst, nbytes=f.nbytes) for i, f in enumerate(gathers)]
-    tasks += [Task("deser", tuple(t.name for t in tasks), _dur(cpu[("deser", "")])),
-              Task("build", ("deser",), _dur(cpu[("build", "")]))]
+    tasks = _gather_build(cpu, flows)
     prev = "build"
     for d in sorted(key for label, key in cpu if label == "ser"):
         tasks += [Task(f"convert:{d}", (prev,), _dur(cpu[("convert", d)])),

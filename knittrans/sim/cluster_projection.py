@@ -241,6 +241,15 @@ def project(s: PaperSetting, costs: PhaseCosts, link: LinkModel, balance: StepBa
                       *(verl or (None, None)))
 
 
+def _gather_build(s: PaperSetting, costs: PhaseCosts, graph: str, fields: float, dense: float) -> list[Task]:
+    """A verl driver's start: the ``dense`` batch (every occurrence) pulled from the U rollout nodes to the driver,
+    unpickled, built (the build copies the token ``fields``; the per-row pixel dicts are re-indexed)."""
+    U = s.num_units
+    tasks = [Task(f"g{u}", src=f"unit{u}", dst="driver", nbytes=int(dense // U)) for u in range(U)]
+    return tasks + [Task("deser", tuple(t.name for t in tasks), costs.cpu(f"{graph}/deser", dense)),
+                    Task("build", ("deser",), costs.cpu(f"{graph}/build", fields))]
+
+
 def verl_pass(s: PaperSetting, costs: PhaseCosts, link: LinkModel, fields: float,
               pixels: float) -> tuple[float, float]:
     """The faithful verl baseline's raw and exposed transfer per batch (``cluster_model.verl_graph``): every
@@ -250,11 +259,8 @@ def verl_pass(s: PaperSetting, costs: PhaseCosts, link: LinkModel, fields: float
     union. Gather and build run ahead during the previous batch (in its favour); the three dispatches are
     exposed. The two forward passes cost no compute here (in its favour, as measured). The build copies the dense
     ``fields`` (concat, reorder); the per-row pixel dicts are only re-indexed."""
-    R, U = s.num_ranks, s.num_units
-    dense = fields + pixels
-    tasks = [Task(f"g{u}", src=f"unit{u}", dst="driver", nbytes=int(dense // U)) for u in range(U)]
-    tasks += [Task("deser", tuple(t.name for t in tasks), costs.cpu("verl/deser", dense)),
-              Task("build", ("deser",), costs.cpu("verl/build", fields))]
+    R, dense = s.num_ranks, fields + pixels
+    tasks = _gather_build(s, costs, "verl", fields, dense)
     prev = "build"
     for d in range(3):
         tails = []
@@ -281,11 +287,8 @@ def verl_wg_pass(s: PaperSetting, costs: PhaseCosts, link: LinkModel, fields: fl
     (every rank's chunk put at once: ``dense`` bytes), R pulls at once and each rank's work on its chunk, the two
     forward ones followed by their results' return and the union. Gather and build run ahead during the previous
     batch (in its favour); the three dispatches are exposed; the forward passes cost no compute (in its favour)."""
-    R, U = s.num_ranks, s.num_units
-    dense = fields + pixels
-    tasks = [Task(f"g{u}", src=f"unit{u}", dst="driver", nbytes=int(dense // U)) for u in range(U)]
-    tasks += [Task("deser", tuple(t.name for t in tasks), costs.cpu("verl_wg/deser", dense)),
-              Task("build", ("deser",), costs.cpu("verl_wg/build", fields))]
+    R, dense = s.num_ranks, fields + pixels
+    tasks = _gather_build(s, costs, "verl_wg", fields, dense)
     prev = "build"
     for d in range(3):
         tasks += [Task(f"cv{d}", (prev,), costs.cpu("verl_wg/convert", fields)),
