@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from tensordict import TensorDict
@@ -107,13 +108,14 @@ def pixel_nbytes(td: TensorDict) -> int:
     return sum(int(row["pixel_values"].nbytes) for row in td[MM_KEY]) if MM_KEY in td.keys() else 0
 
 
-def minibatches(td: TensorDict, num_minibatches: int) -> list[TensorDict]:
-    """The chunk's mini-batches as verl's actor iterates them (``make_iterator``, in order, one epoch; after its
-    ``maybe_fix_3d_position_ids``, which an unpickled chunk's M-RoPE positions need)."""
+def minibatches(td: TensorDict, num_minibatches: int) -> Iterator[TensorDict]:
+    """The chunk's mini-batches as verl's actor iterates them (``make_iterator``, in order, one epoch, one
+    mini-batch copied out at a time; after its ``maybe_fix_3d_position_ids``, which an unpickled chunk's M-RoPE
+    positions need)."""
     tu.maybe_fix_3d_position_ids(td)
     if len(td) % num_minibatches:
         raise ValueError(f"a chunk of {len(td)} rows does not split into {num_minibatches} mini-batches")
-    return list(tu.make_iterator(td, mini_batch_size=len(td) // num_minibatches, epochs=1, seed=0,
+    return iter(tu.make_iterator(td, mini_batch_size=len(td) // num_minibatches, epochs=1, seed=0,
                                  dataloader_kwargs={"shuffle": False}))
 
 
@@ -151,7 +153,7 @@ class ChunkSource:
         self._mbs = minibatches(self.chunk, self.run.num_minibatches)
 
     def obtain(self, step: int) -> Obtained:
-        mb = self._mbs[step]
+        mb = next(self._mbs)  # steps come in order (loop.rank_loop): mini-batch ``step``
         tokens, pixels = prepare(mb)
         return Obtained(payload_nbytes(mb), tokens, (self._t_start - self.run.t0) if step == 0 else 0.0, pixels)
 
@@ -159,7 +161,7 @@ class ChunkSource:
         pass
 
     def close(self) -> None:
-        self._mbs = []
+        self._mbs = iter(())
 
 
 class VerlRank(Worker):
