@@ -7,13 +7,8 @@ seeded batches, trainer-rank actors, emulated compute and rollout clock (``knitt
 - ``centralized``: verl's DataProto path with train-batch admission (``baselines.centralized_system``): the driver
   waits for the whole batch, gathers, repeats prompts (and images), pads to the batch's longest, balances, scatters.
 - ``centralized-padmax`` (text): the same, padding to the configured maxima as verl's rollout ships.
-- ``verl`` (both workloads): verl's own code (``baselines.verl_system``, the installed verl, 0.9.1): a real
-  ``DataProto`` (multimodal: per-row ``multi_modal_inputs`` dicts) gathered, repeated, balanced on the driver and
-  moved to the ranks through verl's single controller (``RayWorkerGroup``, the actor's nd-compute dispatch) for each
-  of the three dispatches of a step (old log-prob, reference log-prob, update), padded as verl's agent loop pads
-  (text: to ``max_prompt_len`` / ``max_response_len``).
-- ``verl-mm`` (multimodal): our earlier re-implementation of verl's multimodal step (``baselines.verl_mm``), run
-  beside ``verl`` to record how far it was from verl's code (docs/experiments.md, session 28).
+- ``verl``: verl's own DataProto and single controller (``baselines.verl_system``), three dispatches per step,
+  padded as verl's agent loop pads; ``verl-mm`` (multimodal): our earlier re-implementation of it (``verl_mm``).
 - ``transferqueue`` (when installed): TransferQueue's KV API (``baselines.transferqueue_system``; multimodal:
   per-trajectory fields with each sample's own images, no dedup).
 - ``knittrans-ray``: ``knittrans.Handoff`` on Ray: admission in the controller as the producers' completing puts
@@ -46,6 +41,7 @@ from baselines import transferqueue_adapter as tqa
 from baselines.centralized import CentralizedConfig
 from baselines.centralized_system import CentralizedSystem, CentralOverlap
 from baselines.verl_mm import VerlMMSystem
+from baselines.verl_system import VerlConfig, VerlSystem, verl_version
 from knittrans.bench import BenchLayout, KnitTransSystem, PassRecord, TransferSystem, interleaved_passes
 from knittrans.dataplane.harness import calibrate_iters_per_token, memcpy_gbps
 from knittrans.handoff import Transport
@@ -196,8 +192,6 @@ def make_system(kind: System, cfg: TransferConfig, layout: BenchLayout, session)
     if kind is System.VERL_MM:
         return VerlMMSystem(kind.value, layout, session, CentralOverlap(cfg.central_overlap))
     if kind is System.VERL:  # verl's agent loop pads to rollout.prompt_length / response_length (text's maxima)
-        from baselines.verl_system import VerlConfig, VerlSystem
-
         conf = VerlConfig() if mm else VerlConfig(cfg.text.max_prompt_len, cfg.text.max_response_len)
         return VerlSystem(kind.value, layout, session, conf, CentralOverlap(cfg.central_overlap))
     if kind is System.TRANSFERQUEUE:
@@ -230,8 +224,7 @@ def trial_row(cfg: TransferConfig, rec: PassRecord, memcpy: float, distinct_pixe
         common.update(zip(("claim_s", "read_s", "pack_s", "pack_cpu_s"),
                           (s if np.isfinite(s) else None for s in sums[:4])))
         common["map_fallbacks"] = int(sums[4])
-    if rec.system == System.VERL.value:
-        common["verl_version"] = verl_version
+    common["verl_version"] = verl_version if rec.system == System.VERL.value else None
     if Workload(cfg.workload) is Workload.MULTIMODAL:
         return MMTransferTrial(**common, group_size=cfg.multimodal.group_size, pixel_bytes=last.pixel_nbytes,
                                distinct_pixel_bytes=distinct_pixel_bytes)
@@ -262,8 +255,7 @@ def measure(cfg: TransferConfig, progress: bool = True) -> tuple[list[TransferTr
     from knittrans.bench.ray_ranks import RaySession
 
     cpus = max(cfg.ray_num_cpus, tqa.required_ray_cpus(cfg.tq_storage_units) + 1)
-    if System.VERL in kinds:  # verl's CPU resource pool: one bundle of one CPU per rank
-        cpus += cfg.num_ranks
+    cpus += cfg.num_ranks if System.VERL in kinds else 0  # verl's CPU resource pool: one bundle of 1 CPU per rank
     with (RaySession(cfg.num_ranks, cpus) if need_ray else contextlib.nullcontext()) as session:
         if need_ray:  # two of the baseline's dense batches (~10x the ragged fields, plus every image occurrence)
             session.warm_object_store(2 * (probe.occurrence_pixel_nbytes + 10 * probe.field_nbytes))
@@ -282,11 +274,7 @@ def measure(cfg: TransferConfig, progress: bool = True) -> tuple[list[TransferTr
             for s in systems:
                 s.close()
     measured = src.make(0, cfg.num_batches if cfg.raw_pass else cfg.num_batches - 1)  # the slot rows report
-    version = None
-    if System.VERL in kinds:
-        from baselines.verl_system import verl_version
-
-        version = verl_version()
+    version = verl_version() if System.VERL in kinds else None  # the verl rows name the verl that ran
     rows = [trial_row(cfg, r, memcpy, measured.distinct_pixel_nbytes, version) for r in records]
     return rows, {"notes": notes, "memcpy": memcpy, "iters_per_token": ipt, "description": src.describe()}
 
