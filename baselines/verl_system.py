@@ -92,7 +92,7 @@ def request_order(d: PassData) -> list[int]:
     return [t for g in sorted(groups) for t in sorted(groups[g])]
 
 
-def _pad(rows: Sequence[np.ndarray], width: int, left: bool, dtype: torch.dtype) -> torch.Tensor:
+def pad_rows(rows: Sequence[np.ndarray], width: int, left: bool, dtype: torch.dtype) -> torch.Tensor:
     out = torch.zeros((len(rows), width), dtype=dtype)
     for i, r in enumerate(rows):
         n = int(r.shape[0])
@@ -114,28 +114,34 @@ def padded_lengths(d: PassData, config: VerlConfig) -> tuple[int, int]:
     return config.max_prompt_len or lp, config.max_response_len or lr
 
 
+def padded_rows(d: PassData, traj_ids: Sequence[int], lp: int, lr: int) -> tuple:
+    """The agent loop's padded layout of rows ``traj_ids``: (their rollouts, ``prompts`` left-padded to ``lp``,
+    ``responses`` right-padded to ``lr``, ``attention_mask``, text ``position_ids``), int64 tensors."""
+    by_id = {r.traj.traj_id: r for r in d.rollouts}
+    rs = [by_id[t] for t in traj_ids]
+    plen = [int(d.prompts[d.prompt_of[t]].shape[0]) for t in traj_ids]
+    prompts = pad_rows([r.tensors["input_ids"][:p] for r, p in zip(rs, plen)], lp, True, torch.int64)
+    responses = pad_rows([r.tensors["input_ids"][p:] for r, p in zip(rs, plen)], lr, False, torch.int64)
+    cols = torch.arange(lp + lr)
+    pl = torch.tensor(plen)
+    rl = torch.tensor([int(r.tensors["input_ids"].shape[0]) - p for r, p in zip(rs, plen)])
+    attention = ((cols >= (lp - pl)[:, None]) & (cols < (lp + rl)[:, None])).long()
+    return rs, prompts, responses, attention, (attention.cumsum(1) - 1).clamp(min=0)
+
+
 def agent_loop_output(d: PassData, traj_ids: Sequence[int], lp: int, lr: int):  # noqa: ANN201 - a DataProto
     """One agent-loop worker's ``_postprocess`` output for its rows (see the module docstring)."""
     from tensordict import TensorDict
     from verl import DataProto
 
-    by_id = {r.traj.traj_id: r for r in d.rollouts}
-    rs = [by_id[t] for t in traj_ids]
-    plen = [int(d.prompts[d.prompt_of[t]].shape[0]) for t in traj_ids]
-    prompts = _pad([r.tensors["input_ids"][:p] for r, p in zip(rs, plen)], lp, True, torch.int64)
-    responses = _pad([r.tensors["input_ids"][p:] for r, p in zip(rs, plen)], lr, False, torch.int64)
-    cols = torch.arange(lp + lr)
-    pl = torch.tensor(plen)
-    rl = torch.tensor([int(r.tensors["input_ids"].shape[0]) - p for r, p in zip(rs, plen)])
-    attention = ((cols >= (lp - pl)[:, None]) & (cols < (lp + rl)[:, None])).long()
-    pos = (attention.cumsum(1) - 1).clamp(min=0)
+    rs, prompts, responses, attention, pos = padded_rows(d, traj_ids, lp, lr)
     if d.multimodal:  # Qwen2-VL in verl: (text, t, h, w) positions per token
         pos = pos[:, None, :].expand(-1, 4, -1).contiguous()
     batch = TensorDict({"prompts": prompts, "responses": responses,
-                        "response_mask": _pad([r.tensors["loss_mask"] for r in rs], lr, False, torch.int64),
+                        "response_mask": pad_rows([r.tensors["loss_mask"] for r in rs], lr, False, torch.int64),
                         "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention,
-                        "position_ids": pos,
-                        "rollout_log_probs": _pad([r.tensors["old_logprobs"] for r in rs], lr, False, torch.float32),
+                        "position_ids": pos, "rollout_log_probs": pad_rows([r.tensors["old_logprobs"] for r in rs],
+                                                                           lr, False, torch.float32),
                         "traj_id": torch.tensor(list(traj_ids), dtype=torch.int64)}, batch_size=len(rs))
     non_tensor = {"__num_turns__": np.full(len(rs), 2, dtype=np.int32)}
     if d.multimodal:
@@ -199,7 +205,7 @@ def build(gathered: Sequence, d: PassData, dp_size: int, lr: int) -> Built:
     batch = prompt_batch(d).repeat(repeat_times=d.group_size, interleave=True).union(gen)
     balance(batch, dp_size)
     by_id = {r.traj.traj_id: r for r in d.rollouts}
-    adv = _pad([by_id[int(t)].tensors["advantages"] for t in batch.batch["traj_id"]], lr, False, torch.float32)
+    adv = pad_rows([by_id[int(t)].tensors["advantages"] for t in batch.batch["traj_id"]], lr, False, torch.float32)
     rewards = {"token_level_scores": adv.clone(), "token_level_rewards": adv.clone(), "advantages": adv,
                "returns": adv.clone()}
     return Built(batch, rewards, sum(proto_nbytes(p) for p in gathered))
