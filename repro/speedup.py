@@ -175,8 +175,8 @@ def measure(cfg: SpeedupConfig, progress: bool = True) -> list[SpeedupTrial]:
     torch.set_num_threads(1)
     points = [(n, k) for k in cfg.images_per_prompt for n in cfg.group_sizes]
     rows: list[SpeedupTrial] = []
-    # verl's CPU resource pool holds one CPU per rank
-    with RaySession(cfg.num_ranks, max(8, 2 * cfg.num_ranks + cfg.num_units + 2) + cfg.num_ranks) as session:
+    verl_cpus = cfg.num_ranks if cfg.verl else 0  # verl's CPU resource pool holds one CPU per rank
+    with RaySession(cfg.num_ranks, max(8, 2 * cfg.num_ranks + cfg.num_units + 2) + verl_cpus) as session:
         for n, k in tqdm(points, desc="speedup", disable=None if progress else True):
             rows += run_point(cfg, session, n, k)
     return rows
