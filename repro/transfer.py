@@ -7,9 +7,8 @@ seeded batches, trainer-rank actors, emulated compute and rollout clock (``knitt
 - ``centralized``: verl's DataProto path with train-batch admission (``baselines.centralized_system``): the driver
   waits for the whole batch, gathers, repeats prompts (and images), pads to the batch's longest, balances, scatters.
 - ``centralized-padmax`` (text): the same, padding to the configured maxima as verl's rollout ships.
-- ``verl-mm`` (multimodal): verl's own multimodal step (``baselines.verl_mm``): per-sample ``multi_modal_inputs``
-  dicts of torch tensors in a DataProto, gathered to the driver, then shipped to the ranks for each of verl's three
-  dispatches per step (old log-prob, reference log-prob, update).
+- ``verl``: verl's own DataProto and single controller (``baselines.verl_system``), three dispatches per step,
+  padded as verl's agent loop pads; ``verl-mm`` (multimodal): our earlier re-implementation of it (``verl_mm``).
 - ``transferqueue`` (when installed): TransferQueue's KV API (``baselines.transferqueue_system``; multimodal:
   per-trajectory fields with each sample's own images, no dedup).
 - ``knittrans-ray``: ``knittrans.Handoff`` on Ray: admission in the controller as the producers' completing puts
@@ -39,44 +38,21 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from baselines import transferqueue_adapter as tqa
-from baselines.centralized import CentralizedConfig
-from baselines.centralized_system import CentralizedSystem, CentralOverlap
-from baselines.verl_mm import VerlMMSystem
-from knittrans.bench import BenchLayout, KnitTransSystem, PassRecord, TransferSystem, interleaved_passes
+from baselines.centralized_system import CentralOverlap
+from baselines.verl_system import verl_version
+from knittrans.bench import BenchLayout, PassRecord, interleaved_passes
 from knittrans.dataplane.harness import calibrate_iters_per_token, memcpy_gbps
-from knittrans.handoff import Transport
 from repro.logger import publish
 from repro.results import Results
 from repro.spec.transfer import MMTransferTrial, TextTransferTrial, TransferTrialBase
+from repro.transfer_systems import MM_SYSTEMS, TEXT_SYSTEMS, System, make_system
 from workloads.multimodal_data import MMTransferWorkload
 from workloads.transfer_data import MMPasses, TextDataConfig, TextPasses
-
-
-class System(str, Enum):
-    CENTRALIZED = "centralized"
-    CENTRALIZED_PADMAX = "centralized-padmax"
-    TRANSFERQUEUE = "transferqueue"
-    KNITTRANS_RAY = "knittrans-ray"
-    KNITTRANS_RAY_NOPREFETCH = "knittrans-ray-noprefetch"
-    KNITTRANS_INPROC = "knittrans-inproc"
-    VERL_MM = "verl-mm"
-    KNITTRANS_RAY_DRAIN = "knittrans-ray-drain"
-    """knittrans-ray whose raw pass is a drain: everything put and admitted before t0, ranks ack, no compute."""
-    ENGINE_CEILING = "engine-ceiling"
-    """Ray's own ceiling for KnitTrans's read path on the same objects (``knittrans.bench.ceiling``); raw only."""
 
 
 class Workload(str, Enum):
     TEXT = "text"
     MULTIMODAL = "multimodal"
-
-
-MM_SYSTEMS = (System.CENTRALIZED, System.VERL_MM, System.TRANSFERQUEUE, System.KNITTRANS_RAY,
-              System.KNITTRANS_RAY_NOPREFETCH, System.KNITTRANS_INPROC)
-"""padmax is the text table's variant. TransferQueue moves per-trajectory fields with each sample's own images."""
-TEXT_SYSTEMS = tuple(s for s in System if s is not System.VERL_MM)
-"""verl-mm moves multimodal inputs (its text twin is ``centralized``). The engine ceiling is text's: multimodal
-shares are read through their units."""
 
 
 @dataclass
@@ -186,31 +162,8 @@ def passes_of(cfg: TransferConfig) -> TextPasses | MMPasses:
                                      seed=cfg.seed), cfg.num_minibatches, cfg.num_units)
 
 
-def make_system(kind: System, cfg: TransferConfig, layout: BenchLayout, session) -> TransferSystem:  # noqa: ANN001
-    mm = Workload(cfg.workload) is Workload.MULTIMODAL
-    if kind in (System.CENTRALIZED, System.CENTRALIZED_PADMAX):
-        pad = "max" if kind is System.CENTRALIZED_PADMAX else "longest"
-        conf = CentralizedConfig(pad_to=pad, max_prompt_len=cfg.text.max_prompt_len,
-                                 max_response_len=cfg.text.max_response_len)
-        return CentralizedSystem(kind.value, layout, session, conf, CentralOverlap(cfg.central_overlap))
-    if kind is System.VERL_MM:
-        return VerlMMSystem(kind.value, layout, session, CentralOverlap(cfg.central_overlap))
-    if kind is System.ENGINE_CEILING:
-        from knittrans.bench.ceiling import EngineCeilingSystem
-
-        return EngineCeilingSystem(kind.value, layout, session)
-    if kind is System.TRANSFERQUEUE:
-        from baselines.transferqueue_system import TransferQueueSystem
-        from knittrans.dataplane.types import TEXT_SCHEMA
-
-        return TransferQueueSystem(kind.value, layout, session, TEXT_SCHEMA, cfg.tq_storage_units, multimodal=mm)
-    transport = Transport.INPROCESS if kind is System.KNITTRANS_INPROC else Transport.RAY
-    return KnitTransSystem(kind.value, layout, transport, multimodal=mm,
-                           prefetch=kind is not System.KNITTRANS_RAY_NOPREFETCH, session=session,
-                           drain=kind is System.KNITTRANS_RAY_DRAIN)
-
-
-def trial_row(cfg: TransferConfig, rec: PassRecord, memcpy: float, distinct_pixel_bytes: int) -> TransferTrialBase:
+def trial_row(cfg: TransferConfig, rec: PassRecord, memcpy: float, distinct_pixel_bytes: int,
+              verl_version: str | None = None) -> TransferTrialBase:
     st, raw = rec.steady, rec.raw
     last = raw or st
     assert last is not None
@@ -229,6 +182,7 @@ def trial_row(cfg: TransferConfig, rec: PassRecord, memcpy: float, distinct_pixe
     if raw is not None and raw.get_parts:  # the gets' profile: claim, read, pack (+ its CPU) seconds, summed
         sums = [sum(p[i] for p in raw.get_parts) for i in range(4)]
         common.update(zip(("claim_s", "read_s", "pack_s", "pack_cpu_s"), (s if np.isfinite(s) else None for s in sums)))
+    common["verl_version"] = verl_version if rec.system == System.VERL.value else None
     if Workload(cfg.workload) is Workload.MULTIMODAL:
         return MMTransferTrial(**common, group_size=cfg.multimodal.group_size, pixel_bytes=last.pixel_nbytes,
                                distinct_pixel_bytes=distinct_pixel_bytes)
@@ -259,6 +213,7 @@ def measure(cfg: TransferConfig, progress: bool = True) -> tuple[list[TransferTr
     from knittrans.bench.ray_ranks import RaySession
 
     cpus = max(cfg.ray_num_cpus, tqa.required_ray_cpus(cfg.tq_storage_units) + 1)
+    cpus += cfg.num_ranks if System.VERL in kinds else 0  # verl's CPU resource pool: one bundle of 1 CPU per rank
     with (RaySession(cfg.num_ranks, cpus) if need_ray else contextlib.nullcontext()) as session:
         if need_ray:  # two of the baseline's dense batches (~10x the ragged fields, plus every image occurrence)
             session.warm_object_store(2 * (probe.occurrence_pixel_nbytes + 10 * probe.field_nbytes))
@@ -277,7 +232,8 @@ def measure(cfg: TransferConfig, progress: bool = True) -> tuple[list[TransferTr
             for s in systems:
                 s.close()
     measured = src.make(0, cfg.num_batches if cfg.raw_pass else cfg.num_batches - 1)  # the slot rows report
-    rows = [trial_row(cfg, r, memcpy, measured.distinct_pixel_nbytes) for r in records]
+    version = verl_version() if System.VERL in kinds else None  # the verl rows name the verl that ran
+    rows = [trial_row(cfg, r, memcpy, measured.distinct_pixel_nbytes, version) for r in records]
     return rows, {"notes": notes, "memcpy": memcpy, "iters_per_token": ipt, "description": src.describe()}
 
 

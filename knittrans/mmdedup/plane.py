@@ -54,7 +54,7 @@ from __future__ import annotations
 import threading
 import warnings
 from dataclasses import dataclass, field, fields as dc_fields, replace
-from typing import TYPE_CHECKING, ClassVar, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Collection, Mapping, Sequence
 
 import numpy as np
 import torch

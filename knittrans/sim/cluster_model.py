@@ -10,7 +10,8 @@ machine's copy capacity); a projection to separate machines leaves it out (None)
 What is measured, never modelled: every CPU phase -- the driver's unpickle and build, the serialization of a
 chunk into an object store, a unit's get and its serialization ("source"), a rank's unpickle and packing, a
 controller claim -- is a ``CpuEvent`` of the recorded trace (``knittrans.dataplane.trace``) and enters the model as
-its measured duration, in the order the system runs it (``central_graph``, ``verl_graph``, ``knittrans_graph``).
+its measured duration, in the order the system runs it (``central_graph``, ``verl_graph``, ``verl_wg_graph``,
+``knittrans_graph``).
 The model then predicts each system's raw transfer time (t0 -> every rank holds every share) by replaying that
 task graph with the flows' durations computed instead of read. The link parameters come from calibration
 transfers of the same run (``fit_link``), never from the systems' own flows.
@@ -253,6 +254,15 @@ def central_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
     return tasks
 
 
+def _gather_build(cpu: Mapping[tuple[str, str], CpuEvent], flows: Sequence[FlowEvent]) -> list[Task]:
+    """The verl drivers' start: every rollout output pulled to the driver at once ("gather" flows), the unpickle
+    ("deser") and the build ("build"), the last task named "build"."""
+    gathers = [f for f in flows if f.label == "gather"]
+    tasks = [Task(f"gather{i}", src=f.src, dst=f.dst, nbytes=f.nbytes) for i, f in enumerate(gathers)]
+    return tasks + [Task("deser", tuple(t.name for t in tasks), _dur(cpu[("deser", "")])),
+                    Task("build", ("deser",), _dur(cpu[("build", "")]))]
+
+
 def verl_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
     """The faithful verl baseline's raw pass (``baselines.verl_mm``): the gather, unpickle ("deser") and build as
     ``central_graph``'s, then three dispatches of the same rows in order (keys "d<i>/r<rank>": old log-prob,
@@ -262,10 +272,7 @@ def verl_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
     next dispatch's serialization. Every CpuEvent's measured duration; every flow's bytes."""
     cpu = {(e.label, e.key): e for e in events if isinstance(e, CpuEvent)}
     flows = [e for e in events if isinstance(e, FlowEvent)]
-    gathers = [f for f in flows if f.label == "gather"]
-    tasks = [Task(f"gather{i}", src=f.src, dst=f.dst, nbytes=f.nbytes) for i, f in enumerate(gathers)]
-    tasks += [Task("deser", tuple(t.name for t in tasks), _dur(cpu[("deser", "")])),
-              Task("build", ("deser",), _dur(cpu[("build", "")]))]
+    tasks = _gather_build(cpu, flows)
     by_dispatch: dict[str, list[FlowEvent]] = {}
     for f in flows:
         if f.label == "scatter":
@@ -284,6 +291,35 @@ def verl_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
             tasks += [Task(f"ret:{d}", (prev, *tails), _dur(cpu[("ret", d)])),
                       Task(f"union:{d}", (f"ret:{d}",), _dur(cpu[("union", d)]))]
             prev = f"union:{d}"
+    return tasks
+
+
+def verl_wg_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
+    """verl's own step's raw pass (``baselines.verl_system``: verl's DataProto and single controller): the gather,
+    unpickle ("deser") and build as ``central_graph``'s, then three dispatches in order (keys "d<i>": old log-prob,
+    reference, update). Per dispatch the driver converts the batch to a TensorDict ("convert") and runs verl's
+    dispatch function ("ser": every rank's chunk consolidated and put at once); then each rank pulls its chunk
+    ("scatter", key "d<i>/r<rank>", all ranks at once) and works on it ("tail"); after a forward dispatch the
+    driver waits for every rank, then the results' return ("ret") and the union ("union"), all measured, before
+    the next conversion. Every CpuEvent's measured duration; every flow's bytes."""
+    cpu = {(e.label, e.key): e for e in events if isinstance(e, CpuEvent)}
+    flows = [e for e in events if isinstance(e, FlowEvent)]
+    tasks = _gather_build(cpu, flows)
+    prev = "build"
+    for d in sorted(key for label, key in cpu if label == "ser"):
+        tasks += [Task(f"convert:{d}", (prev,), _dur(cpu[("convert", d)])),
+                  Task(f"ser:{d}", (f"convert:{d}",), _dur(cpu[("ser", d)]))]
+        tails = []
+        for f in sorted((f for f in flows if f.label == "scatter" and f.key.split("/")[0] == d), key=lambda f: f.key):
+            tasks += [Task(f"scatter:{f.key}", (f"ser:{d}",), src=f.src, dst=f.dst, nbytes=f.nbytes),
+                      Task(f"tail:{f.key}", (f"scatter:{f.key}",), _dur(cpu[("tail", f.key)]))]
+            tails.append(f"tail:{f.key}")
+        if ("ret", d) in cpu:  # a forward dispatch: the driver waits for its results before the next one
+            tasks += [Task(f"ret:{d}", (f"ser:{d}", *tails), _dur(cpu[("ret", d)])),
+                      Task(f"union:{d}", (f"ret:{d}",), _dur(cpu[("union", d)]))]
+            prev = f"union:{d}"
+        else:
+            prev = f"ser:{d}"
     return tasks
 
 
@@ -343,7 +379,9 @@ def knittrans_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
     return tasks
 
 
-GRAPHS = {"central": central_graph, "verl": verl_graph, "knittrans": knittrans_graph}
+GRAPHS = {"central": central_graph, "verl": verl_graph, "verl_wg": verl_wg_graph, "knittrans": knittrans_graph}
+"""Task graph per system kind: "verl" is our re-implementation of verl's multimodal step (``baselines.verl_mm``),
+"verl_wg" verl's own code (``baselines.verl_system``)."""
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,17 @@ class PhaseCosts:
                     nb = {"deser": gathered, "build": fields}.get(e.label, scat.get(e.key, 0)
                                                                     if e.label in ("ser", "tail") else 0)
                     add(f"verl/{e.label}", e.t_end - e.t_start, nb)
+            elif p.graph == "verl_wg":  # verl's own code: per dispatch every rank's chunk converted and put at once
+                scat = {f.key: f.nbytes for f in flows if f.label == "scatter"}
+                gathered = sum(f.nbytes for f in flows if f.label == "gather")
+                fields = gathered - p.pixel_bytes // 3  # pixel_bytes: every occurrence, once per dispatch (3)
+                per_dispatch: dict[str, int] = {}
+                for k, nb in scat.items():
+                    per_dispatch[k.split("/")[0]] = per_dispatch.get(k.split("/")[0], 0) + nb
+                for e in cpu:  # build and convert copy the dense token fields; the per-row dicts are re-indexed
+                    nb = {"deser": gathered, "build": fields, "convert": fields,
+                          "ser": per_dispatch.get(e.key, 0), "tail": scat.get(e.key, 0)}.get(e.label, 0)
+                    add(f"verl_wg/{e.label}", e.t_end - e.t_start, nb)
             elif p.graph == "knittrans":
                 read = {}
                 for f in flows:
@@ -173,7 +184,8 @@ class Projection:
     central_train_s: float
     knittrans_train_s: float
     verl_raw_s: float | None = None
-    """The faithful verl baseline (``verl_graph``), when the trace measured its phases: raw and exposed."""
+    """verl, when the trace measured its phases: raw and exposed. verl's own code (``verl_wg_graph``,
+    ``verl_wg_pass``) where the trace has it, else the re-implementation (``verl_graph``, ``verl_pass``)."""
     verl_exposed_s: float | None = None
 
 
@@ -223,9 +235,19 @@ def project(s: PaperSetting, costs: PhaseCosts, link: LinkModel, balance: StepBa
     step_c = tokens * lm + occ_patches * vis
     step_k = tokens * lm + occ_patches / n * vis
     knit_exposed = M * max(0.0, read - step_k)
-    verl = verl_pass(s, costs, link, fields, n * distinct_pixels) if "verl/build" in costs.fixed_s else None
+    verl = (verl_wg_pass(s, costs, link, fields, n * distinct_pixels) if "verl_wg/build" in costs.fixed_s
+            else verl_pass(s, costs, link, fields, n * distinct_pixels) if "verl/build" in costs.fixed_s else None)
     return Projection(s, central_raw, knit_raw, central_exposed, knit_exposed, M * step_c, M * step_k,
                       *(verl or (None, None)))
+
+
+def _gather_build(s: PaperSetting, costs: PhaseCosts, graph: str, fields: float, dense: float) -> list[Task]:
+    """A verl driver's start: the ``dense`` batch (every occurrence) pulled from the U rollout nodes to the driver,
+    unpickled, built (the build copies the token ``fields``; the per-row pixel dicts are re-indexed)."""
+    U = s.num_units
+    tasks = [Task(f"g{u}", src=f"unit{u}", dst="driver", nbytes=int(dense // U)) for u in range(U)]
+    return tasks + [Task("deser", tuple(t.name for t in tasks), costs.cpu(f"{graph}/deser", dense)),
+                    Task("build", ("deser",), costs.cpu(f"{graph}/build", fields))]
 
 
 def verl_pass(s: PaperSetting, costs: PhaseCosts, link: LinkModel, fields: float,
@@ -237,11 +259,8 @@ def verl_pass(s: PaperSetting, costs: PhaseCosts, link: LinkModel, fields: float
     union. Gather and build run ahead during the previous batch (in its favour); the three dispatches are
     exposed. The two forward passes cost no compute here (in its favour, as measured). The build copies the dense
     ``fields`` (concat, reorder); the per-row pixel dicts are only re-indexed."""
-    R, U = s.num_ranks, s.num_units
-    dense = fields + pixels
-    tasks = [Task(f"g{u}", src=f"unit{u}", dst="driver", nbytes=int(dense // U)) for u in range(U)]
-    tasks += [Task("deser", tuple(t.name for t in tasks), costs.cpu("verl/deser", dense)),
-              Task("build", ("deser",), costs.cpu("verl/build", fields))]
+    R, dense = s.num_ranks, fields + pixels
+    tasks = _gather_build(s, costs, "verl", fields, dense)
     prev = "build"
     for d in range(3):
         tails = []
@@ -254,6 +273,36 @@ def verl_pass(s: PaperSetting, costs: PhaseCosts, link: LinkModel, fields: float
         if d < 2:
             tasks += [Task(f"ret{d}", (prev, *tails), costs.cpu("verl/ret")),
                       Task(f"union{d}", (f"ret{d}",), costs.cpu("verl/union"))]
+            prev = f"union{d}"
+    done = simulate(tasks, link)
+    raw = max(e for _, e in done.values())
+    return raw, raw - done["build"][1]
+
+
+def verl_wg_pass(s: PaperSetting, costs: PhaseCosts, link: LinkModel, fields: float,
+                 pixels: float) -> tuple[float, float]:
+    """verl's own step's raw and exposed transfer per batch (``cluster_model.verl_wg_graph``): every sample's own
+    pixel_values (``pixels``: n copies of every image) gathered from the U rollout nodes to the driver, unpickled
+    and built, then three dispatches of the whole batch, each a conversion (the dense ``fields``), verl's dispatch
+    (every rank's chunk put at once: ``dense`` bytes), R pulls at once and each rank's work on its chunk, the two
+    forward ones followed by their results' return and the union. Gather and build run ahead during the previous
+    batch (in its favour); the three dispatches are exposed; the forward passes cost no compute (in its favour)."""
+    R, dense = s.num_ranks, fields + pixels
+    tasks = _gather_build(s, costs, "verl_wg", fields, dense)
+    prev = "build"
+    for d in range(3):
+        tasks += [Task(f"cv{d}", (prev,), costs.cpu("verl_wg/convert", fields)),
+                  Task(f"ser{d}", (f"cv{d}",), costs.cpu("verl_wg/ser", dense))]
+        tails = []
+        for r in range(R):
+            k = f"d{d}r{r}"
+            tasks += [Task(f"sc{k}", (f"ser{d}",), src="driver", dst=f"rank{r}", nbytes=int(dense // R)),
+                      Task(f"tail{k}", (f"sc{k}",), costs.cpu("verl_wg/tail", dense / R))]
+            tails.append(f"tail{k}")
+        prev = f"ser{d}"
+        if d < 2:
+            tasks += [Task(f"ret{d}", (prev, *tails), costs.cpu("verl_wg/ret")),
+                      Task(f"union{d}", (f"ret{d}",), costs.cpu("verl_wg/union"))]
             prev = f"union{d}"
     done = simulate(tasks, link)
     raw = max(e for _, e in done.values())

@@ -19,16 +19,18 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from repro.spec.core import Bound, Claim, ClaimKind, Measured, Trial, median_range, not_measured, trial
+from repro.spec.core import (Bound, Claim, ClaimKind, Measured, Trial, median_range, naming_verl, not_measured,
+                             trial)
 
 TABLE = "transfer-cluster"
 GATES = {TABLE: "repro.cluster"}
 FIT_BOUND = 0.20
 """The model's pre-registered accuracy: every fitted quantity within 20% of its measurement."""
 SINGLE, MULTI = "single-raylet", "multi-raylet"
-CENTRAL, KNIT, VERL = "centralized", "knittrans-ray", "verl-mm"
-"""``VERL``: the faithful verl baseline (``baselines.verl_mm``: per-row dicts of tensors, three dispatches per
-step); ``CENTRAL``: the kinder verl-style baseline the projection models."""
+CENTRAL, KNIT, VERL = "centralized", "knittrans-ray", "verl"
+"""``VERL``: verl's own code (``baselines.verl_system``: its DataProto with per-row dicts of tensors, three dispatches
+per step through its single controller; until session 28 our re-implementation ``verl-mm``); ``CENTRAL``: the
+kinder verl-style baseline the projection models."""
 REGISTERED = (12.5, 8, 8)
 """The pre-registered projection point: 12.5 GB/s per NIC direction (100 Gb/s), R=8 ranks, n=8 (the paper's
 multimodal group size); the sweep's other points are context (its [min, max])."""
@@ -64,6 +66,8 @@ class ClusterPassTrial(Trial):
     """Sum of the pass's measured CPU phases."""
     predicted_no_network_s: float | None = None
     """The model's replay with free flows: what the measured CPU phases alone explain of the pass."""
+    verl_version: str | None = None
+    """The ``verl`` system's rows: the installed verl that ran; None on other systems' rows."""
 
 
 @trial(TABLE)
@@ -85,7 +89,7 @@ class ClusterProjectionTrial(Trial):
     link_latency_s: float
     """Per-flow latency of the validated fit (median over passes)."""
     verl_raw_s: float | None = None
-    """The faithful verl baseline (verl-mm), where the trace measured its phases: raw transfer ..."""
+    """verl (``VERL``), where the trace measured its phases: raw transfer ..."""
     verl_exposed_s: float | None = None
     """... and exposed (its three dispatches; it trains every occurrence: ``central_train_s``)."""
 
@@ -157,7 +161,7 @@ def fit_error(rows: Sequence[Trial], num: str = CENTRAL) -> Measured:
 
 
 def fit_error_verl(rows: Sequence[Trial]) -> Measured:
-    """``fit_error`` on the verl-mm passes: verl-mm's and knittrans-ray's median raw times and their ratio."""
+    """``fit_error`` on the verl passes: verl's and knittrans-ray's median raw times and their ratio."""
     return fit_error(rows, VERL)
 
 
@@ -233,13 +237,14 @@ CLAIMS: tuple[Claim, ...] = (
           "raw transfer per batch, centralized / knittrans-ray, on the multi-raylet cluster, per pass; median over "
           "passes, [min, max]", raw_ratio(MULTI), comparison=SAME),
     Claim("cluster_raw_ratio_single_raylet_verl", TABLE, ClaimKind.MEASUREMENT, "(context)", "x",
-          "raw transfer per batch, verl-mm (the faithful verl baseline: per-row dicts of tensors gathered to the "
-          "driver, shipped to the ranks for each of verl's three dispatches) / knittrans-ray, on one raylet, per "
-          "pass; median over passes, [min, max]", raw_ratio(SINGLE, VERL), comparison=SAME),
+          "raw transfer per batch, verl (verl's own code, the version named in the note: its DataProto with per-row "
+          "dicts of tensors gathered to the driver, moved to the ranks through its single controller for each of "
+          "the three dispatches of a step) / knittrans-ray, on one raylet, per pass; median over passes, [min, max]",
+          naming_verl(raw_ratio(SINGLE, VERL)), comparison=SAME),
     Claim("cluster_raw_ratio_multi_raylet_verl", TABLE, ClaimKind.MEASUREMENT, "(context)", "x",
-          "raw transfer per batch, verl-mm / knittrans-ray, on the multi-raylet cluster (verl-mm's rollout "
-          "outputs created on the rollout nodes, gathered to the driver's node, shipped to the rank nodes three "
-          "times), per pass; median over passes, [min, max]", raw_ratio(MULTI, VERL), comparison=SAME),
+          "raw transfer per batch, verl / knittrans-ray, on the multi-raylet cluster (verl's rollout outputs "
+          "created on the rollout nodes, gathered to the driver's node, put and pulled to the rank nodes three "
+          "times), per pass; median over passes, [min, max]", naming_verl(raw_ratio(MULTI, VERL)), comparison=SAME),
     Claim("cluster_model_fit_error", TABLE, ClaimKind.TARGET, "(ours, issue 14) the model predicts the multi-raylet "
           "measurements within 20%", "rel",
           "|predicted / measured - 1| of the model's medians over the multi-raylet passes: each system's raw time "
@@ -248,10 +253,10 @@ CLAIMS: tuple[Claim, ...] = (
           fit_error, bound=Bound("<=", FIT_BOUND), gate=Bound("<=", FIT_BOUND), comparison=MODEL),
     Claim("cluster_model_fit_error_verl", TABLE, ClaimKind.TARGET, "(ours, issue 14) the model predicts the "
           "multi-raylet measurements within 20%", "rel",
-          "as cluster_model_fit_error, on the verl-mm passes: |predicted / measured - 1| of the medians over the "
-          "multi-raylet passes of verl-mm's raw time, knittrans-ray's and their ratio; the worst decides; "
-          "[per-pass range]. The task graph: knittrans.sim.cluster_model.verl_graph (not used by the projection)",
-          fit_error_verl, bound=Bound("<=", FIT_BOUND), comparison=MODEL),
+          "as cluster_model_fit_error, on the verl passes: |predicted / measured - 1| of the medians over the "
+          "multi-raylet passes of verl's raw time, knittrans-ray's and their ratio; the worst decides; "
+          "[per-pass range]. The task graph: knittrans.sim.cluster_model.verl_wg_graph",
+          naming_verl(fit_error_verl), bound=Bound("<=", FIT_BOUND), comparison=MODEL),
     Claim("cluster_model_network_share", TABLE, ClaimKind.MEASUREMENT, "(context)", "fraction",
           "share of the model's predicted raw time that its flows carry (1 - replay with free flows / replay), "
           "median over multi-raylet passes per system; the smaller system's decides: a fit where this is small "
@@ -267,17 +272,18 @@ CLAIMS: tuple[Claim, ...] = (
           "cluster_model_fit_error holds", projected("speedup"), bound=Bound(">=", 4.6), comparison=PROJ),
     Claim("cluster_projected_transfer_ratio_verl", TABLE, ClaimKind.TARGET, "~100x (two orders of magnitude, "
           "measured against verl)", "x",
-          "MODELLED raw transfer per batch, verl-mm (the faithful verl baseline: every sample's own pixel_values "
-          "gathered to the driver and shipped to the ranks for each of three dispatches) / KnitTrans, at the "
+          "MODELLED raw transfer per batch, verl (its own code's measured phases: every sample's own pixel_values "
+          "gathered to the driver and moved to the ranks for each of three dispatches) / KnitTrans, at the "
           "pre-registered point, [min, max] over the sweep; bound 50; decided only where "
-          "cluster_model_fit_error_verl holds", projected("transfer_ratio_verl", VERL), bound=Bound(">=", 50.0),
-          comparison=PROJ + "; verl-mm: its gather, unpickle and build run ahead, its three dispatches are "
-          "exposed, its forward passes cost no compute (in its favour)"),
+          "cluster_model_fit_error_verl holds", naming_verl(projected("transfer_ratio_verl", VERL)),
+          bound=Bound(">=", 50.0),
+          comparison=PROJ + "; verl (knittrans.sim.cluster_projection.verl_wg_pass): its gather, unpickle and build "
+          "run ahead, its three dispatches are exposed, its forward passes cost no compute (in its favour)"),
     Claim("cluster_projected_speedup_verl", TABLE, ClaimKind.TARGET, "up to 5.8x (against verl)", "x",
-          "MODELLED (exposed transfer + training) per batch, verl-mm / KnitTrans, at the pre-registered point, "
+          "MODELLED (exposed transfer + training) per batch, verl / KnitTrans, at the pre-registered point, "
           "[min, max] over the sweep; bound 4.6; decided only where cluster_model_fit_error_verl holds",
-          projected("speedup_verl", VERL), bound=Bound(">=", 4.6),
-          comparison=PROJ + "; verl-mm trains every image occurrence, as the centralized baseline"),
+          naming_verl(projected("speedup_verl", VERL)), bound=Bound(">=", 4.6),
+          comparison=PROJ + "; verl trains every image occurrence, as the centralized baseline"),
     Claim("cluster_projected_transfer_ratio_best", TABLE, ClaimKind.MEASUREMENT, "~100x", "x",
           "MODELLED: the largest raw transfer ratio of the sweep (a selection: context)",
           projected_best("transfer_ratio"), comparison=PROJ),

@@ -229,3 +229,16 @@ def paired_mean_ci(diffs: Sequence[float], note: str = "", level: float = 0.95) 
     half = float(stats.t.ppf(0.5 + level / 2, d.size - 1) * d.std(ddof=1) / math.sqrt(d.size))
     mean = float(d.mean())
     return Measured(mean, mean - half, mean + half, int(d.size), f"{level:.0%} t-interval", note)
+
+
+def naming_verl(measure: Callable[[Sequence[Trial]], Measured]) -> Callable[[Sequence[Trial]], Measured]:
+    """``measure`` with the verl version that ran (its rows' ``verl_version``) at the head of the note."""
+
+    def named(rows: Sequence[Trial]) -> Measured:
+        m = measure(rows)
+        versions = sorted({v for r in rows if (v := getattr(r, "verl_version", None))})
+        if not versions:
+            return m
+        head = f"verl {', '.join(versions)}"
+        return dataclasses.replace(m, note=f"{head}; {m.note}" if m.note else head)
+    return named

@@ -15,7 +15,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from repro.spec.core import Bound, Claim, ClaimKind, Measured, Trial, median_range, not_measured, trial
+from repro.spec.core import (Bound, Claim, ClaimKind, Measured, Trial, median_range, naming_verl, not_measured,
+                             trial)
 
 GATES = {"speedup": "repro.speedup"}
 
@@ -44,9 +45,12 @@ class SpeedupTrial(Trial):
     """Bytes per batch the baseline moved (gather + scatter)."""
     knittrans_bytes: int
     verl_transfer_s: float | None = None
-    """Exposed transfer latency per batch, verl-mm (verl's own multimodal step: per-sample multi_modal_inputs,
-    three dispatches per step; build-ahead), steady state; None where it was not run. Its training step is the
-    baseline's (every occurrence encoded)."""
+    """Exposed transfer latency per batch, verl (verl's own code, ``baselines.verl_system``: per-sample
+    multi_modal_inputs in a DataProto, three dispatches per step through its single controller; build-ahead), steady
+    state; None where it was not run (rows before session 28: the re-implementation verl-mm). Its training step is
+    the baseline's (every occurrence encoded)."""
+    verl_version: str | None = None
+    """The verl that ran (None where it did not)."""
 
     @property
     def speedup(self) -> float | None:
@@ -58,7 +62,7 @@ class SpeedupTrial(Trial):
 
     @property
     def speedup_verl(self) -> float | None:
-        """``speedup`` with verl-mm's transfer as the baseline's."""
+        """``speedup`` with verl's transfer as the baseline's."""
         if self.verl_transfer_s is None or self.knittrans_transfer_s is None:
             return None
         m = self.num_minibatches
@@ -155,10 +159,10 @@ CLAIMS: tuple[Claim, ...] = (
           "the speedup's median at the best sweep point (a selection over the sweep: context, not a verdict)",
           best_point, comparison=SAME),
     Claim("mm_transfer_train_speedup_verl", S, ClaimKind.MEASUREMENT, "up to 5.8x", "x",
-          "the same speedup with verl-mm (verl's own multimodal step: per-sample multi_modal_inputs dicts of tensors, "
-          "gathered to the driver and shipped for each of old log-prob, reference and update) as the baseline's "
-          "transfer, at the pre-registered point; not measured when verl-mm was not run",
-          at_point("speedup_verl"), comparison=SAME),
+          "the same speedup with verl (verl's own code, the version named in the note: per-sample multi_modal_inputs "
+          "dicts of tensors in a DataProto, gathered to the driver and moved through verl's single controller for "
+          "each of old log-prob, reference and update) as the baseline's transfer, at the pre-registered point; not "
+          "measured when verl was not run", naming_verl(at_point("speedup_verl")), comparison=SAME),
     Claim("mm_train_speedup", S, ClaimKind.MEASUREMENT, "(context)", "x",
           "baseline step / dedup step at the pre-registered point (what dedup saves in training alone)", step_ratio),
     Claim("mm_transfer_speedup", S, ClaimKind.MEASUREMENT, "(context)", "x",

@@ -18,7 +18,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from repro.spec.core import Bound, Claim, ClaimKind, Measured, Trial, median_range, not_measured, trial
+from repro.spec.core import (Bound, Claim, ClaimKind, Measured, Trial, median_range, naming_verl, not_measured,
+                             trial)
 
 GATES = {"transfer-text": "repro.transfer", "transfer-multimodal": "repro.transfer"}
 FLOOR_S = 1e-4
@@ -75,6 +76,9 @@ class TextTransferTrial(TransferTrialBase):
     rank_gbps: float | None = None
     """Raw pass: the slowest rank's bytes over its own time to its last share (from t0, or from its first ask
     when the ranks start after t0: a drain), GB/s; None for rows written before this column."""
+    verl_version: str | None = None
+    """The ``verl`` system's rows: the installed verl that ran (``baselines.verl_system.verl_version``); None on
+    other systems' rows."""
 
 
 @trial("transfer-multimodal")
@@ -95,6 +99,8 @@ class MMTransferTrial(TransferTrialBase):
     pack_s: float | None = None
     pack_cpu_s: float | None = None
     rank_gbps: float | None = None
+    verl_version: str | None = None
+    """As ``TextTransferTrial.verl_version``."""
 
 
 # -- measures -------------------------------------------------------------------------------------------------
@@ -232,12 +238,13 @@ def tq_get_ratio(system: str) -> Callable[[Sequence[Trial]], Measured]:
 get_latency_ratio = tq_get_ratio("knittrans-ray")
 
 
+
 # -- claims ----------------------------------------------------------------------------------------------------
 
 T, MM = "transfer-text", "transfer-multimodal"
 CEILING_SYSTEM = "engine-ceiling"
-CEILING = ("per pass, the data-plane get bandwidth of {system} (as in ray_fraction_of_memcpy) / the engine ceiling's in "
-           "the same pass: the same units' objects (the same stream and completion puts of the same batch, the same "
+CEILING = ("per pass, the data-plane get bandwidth of {system} (as in ray_fraction_of_memcpy) / the engine ceiling's "
+           "in the same pass: the same units' objects (the same stream and completion puts of the same batch, the same "
            "share assignment), their refs and byte ranges handed to the same rank actors at t0 (no claim, no "
            "admission, no puts completing beside the reads), one ray.get and one pack per share by the same "
            "pack_runs; median over K passes, [min, max]; range [0, ~1]")
@@ -299,6 +306,22 @@ CLAIMS: tuple[Claim, ...] = (
           EXPOSED.format(num="centralized (Ray)", den="knittrans-inproc (threads of one process)"),
           ratio("centralized", "knittrans-inproc", "exposed_s"),
           comparison="different layouts (Ray actors vs threads of one process): not a like-for-like comparison"),
+    Claim("exposed_latency_ratio_verl", T, ClaimKind.MEASUREMENT, "(context)", "x",
+          EXPOSED.format(num="verl (verl's own code, the version named in the note: DataProto through the driver "
+                             "and verl's single controller, three dispatches per step, padded as its agent loop pads: "
+                             "to max_prompt_len / max_response_len; build-ahead)", den="knittrans-ray"),
+          naming_verl(ratio("verl", "knittrans-ray", "exposed_s")), comparison=SAME_LAYOUT),
+    Claim("raw_transfer_ratio_verl", T, ClaimKind.MEASUREMENT, "(context)", "x",
+          RAW.format(num="verl", den="knittrans-ray"), naming_verl(ratio("verl", "knittrans-ray", "raw_s")),
+          comparison=SAME_LAYOUT),
+    Claim("bytes_ratio_verl", T, ClaimKind.MEASUREMENT, "(context)", "x",
+          "payload bytes per batch, verl (gather padded + three dispatches, each without input_ids' and "
+          "position_ids' padding, as verl's left_right_2_no_padding) / knittrans-ray (share payloads)",
+          naming_verl(bytes_ratio("verl", "knittrans-ray")), comparison=SAME_LAYOUT),
+    Claim("verl_vs_centralized_padmax_raw", T, ClaimKind.MEASUREMENT, "(context)", "x",
+          RAW.format(num="verl", den="centralized-padmax (the re-implemented driver path, padded to the same maxima, "
+                                     "one dispatch)") + ": how far the re-implementation is from verl's code",
+          naming_verl(ratio("verl", "centralized-padmax", "raw_s"))),
     Claim("tq_get_latency_ratio", T, ClaimKind.MEASUREMENT, "(issue 15 goal) >= 5x", "x", TQ_GET, get_latency_ratio,
           comparison=TQ_LAYOUT),
     Claim("tq_get_latency_ratio_sequential", T, ClaimKind.MEASUREMENT, "(context)", "x",
@@ -371,19 +394,24 @@ CLAIMS: tuple[Claim, ...] = (
           "all bytes per batch, centralized (gather + scatter incl. every image occurrence) / knittrans-ray (fields + "
           "distinct images)", bytes_ratio("centralized", "knittrans-ray"), comparison=SAME_LAYOUT),
     Claim("mm_transfer_latency_ratio_verl", MM, ClaimKind.MEASUREMENT, "(context)", "x",
-          RAW.format(num="verl-mm (verl's own multimodal step: per-sample multi_modal_inputs dicts of torch tensors, "
-                         "gathered to the driver, shipped for each of old log-prob, reference, update)",
+          RAW.format(num="verl (verl's own code, the installed version named in the note: DataProto with per-row "
+                         "multi_modal_inputs, gathered, repeated and balanced on the driver, moved through verl's "
+                         "single controller for each of old log-prob, reference, update)",
                      den="knittrans-ray") + "; median over K passes, [min, max]",
-          ratio("verl-mm", "knittrans-ray", "raw_s"), comparison=SAME_LAYOUT),
+          naming_verl(ratio("verl", "knittrans-ray", "raw_s")), comparison=SAME_LAYOUT),
     Claim("mm_exposed_latency_ratio_verl", MM, ClaimKind.MEASUREMENT, "(context)", "x",
-          EXPOSED.format(num="verl-mm (build-ahead)", den="knittrans-ray (prefetch)"),
-          ratio("verl-mm", "knittrans-ray", "exposed_s"), comparison=SAME_LAYOUT),
+          EXPOSED.format(num="verl (build-ahead)", den="knittrans-ray (prefetch)"),
+          naming_verl(ratio("verl", "knittrans-ray", "exposed_s")), comparison=SAME_LAYOUT),
     Claim("mm_total_bytes_ratio_verl", MM, ClaimKind.MEASUREMENT, "(context)", "x",
-          "all bytes per batch, verl-mm (gather + three dispatches, every image occurrence each time) / knittrans-ray",
-          bytes_ratio("verl-mm", "knittrans-ray"), comparison=SAME_LAYOUT),
+          "all payload bytes per batch, verl (gather + three dispatches, every image occurrence each time) / "
+          "knittrans-ray", naming_verl(bytes_ratio("verl", "knittrans-ray")), comparison=SAME_LAYOUT),
     Claim("mm_verl_vs_centralized_raw", MM, ClaimKind.MEASUREMENT, "(context)", "x",
-          RAW.format(num="verl-mm", den="centralized (one contiguous pixel buffer, one dispatch)") + ": how much "
-          "kinder than verl today's centralized baseline is", ratio("verl-mm", "centralized", "raw_s")),
+          RAW.format(num="verl", den="centralized (one contiguous pixel buffer, one dispatch)") + ": how much "
+          "kinder than verl the centralized baseline is", naming_verl(ratio("verl", "centralized", "raw_s"))),
+    Claim("mm_verl_mm_vs_verl_raw", MM, ClaimKind.MEASUREMENT, "(context)", "x",
+          RAW.format(num="verl-mm (our earlier re-implementation of verl's multimodal step, baselines.verl_mm)",
+                     den="verl (verl's own code)") + ": how far the re-implementation was from verl",
+          naming_verl(ratio("verl-mm", "verl", "raw_s"))),
     Claim("mm_transfer_latency_ratio_inproc", MM, ClaimKind.MEASUREMENT, "(context)", "x",
           RAW.format(num="centralized (Ray)", den="knittrans-inproc"),
           ratio("centralized", "knittrans-inproc", "raw_s"),

@@ -7,7 +7,7 @@ import pytest
 
 from knittrans.dataplane.trace import CpuEvent, FlowEvent
 from knittrans.sim.cluster_model import (LinkModel, Task, central_graph, fair_rates, fit_link, knittrans_graph,
-                                         makespan, predict_pass, simulate, verl_graph)
+                                         makespan, predict_pass, simulate, verl_graph, verl_wg_graph)
 
 GB = 10**9
 
@@ -149,6 +149,33 @@ def test_verl_graph_runs_three_dispatches_in_turn_each_forward_waiting_for_its_r
     assert makespan(tasks, LinkModel(1e9)) == pytest.approx(0.45 + 2 * forward + update, rel=1e-6)
     no_ret = [e for e in verl_trace() if getattr(e, "label", "") not in ("ret", "union")]  # dispatches overlap
     assert makespan(verl_graph(no_ret, 100.0), LinkModel(1e9)) < 0.45 + 2 * forward + update - 0.01
+
+
+def verl_wg_trace(t0: float = 100.0) -> list:
+    """verl's own step: gather and build as ``central_trace``'s, then three dispatches, each a conversion (3 ms)
+    and verl's dispatch function (every rank's chunk put at once: 20 ms), 0.1 GB pulled by each rank, its work
+    (20 ms), the two forward ones followed by the results' return (5 ms) and the union (1 ms)."""
+    ev = central_trace(t0)[:4]
+    for d in range(3):
+        ev += [CpuEvent("convert", "drv", t0, t0 + 0.003, f"d{d}"), CpuEvent("ser", "drv", t0, t0 + 0.02, f"d{d}")]
+        for r in range(2):  # the recorded times do not matter, only durations and bytes
+            k = f"d{d}/r{r}"
+            ev += [FlowEvent("scatter", "drv", f"rk{r}", GB // 10, t0, t0, k),
+                   CpuEvent("tail", f"rk{r}", t0, t0 + 0.02, k)]
+        if d < 2:
+            ev += [CpuEvent("ret", "drv", t0, t0 + 0.005, f"d{d}"), CpuEvent("union", "drv", t0, t0 + 0.001, f"d{d}")]
+    return ev
+
+
+def test_verl_wg_graph_puts_every_chunk_at_once_then_each_forward_waits_for_its_results():
+    tasks = verl_wg_graph(verl_wg_trace(), 100.0)
+    assert sum(t.nbytes for t in tasks if t.is_flow) == 2 * GB // 10 + 6 * GB // 10
+    # gather 0.2 s, deser + build 0.25; per dispatch: convert 0.003 + put 0.02, both ranks' 0.1 GB through the
+    # driver's egress at once (0.2 s), their work 0.02; a forward one then 0.005 + 0.001 before the next one
+    forward, update = 0.023 + 0.2 + 0.02 + 0.006, 0.023 + 0.2 + 0.02
+    assert makespan(tasks, LinkModel(1e9)) == pytest.approx(0.45 + 2 * forward + update, rel=1e-6)
+    no_ret = [e for e in verl_wg_trace() if getattr(e, "label", "") not in ("ret", "union")]  # dispatches overlap
+    assert makespan(verl_wg_graph(no_ret, 100.0), LinkModel(1e9)) < 0.45 + 2 * forward + update - 0.01
 
 
 def knittrans_trace(t0: float = 100.0) -> list:

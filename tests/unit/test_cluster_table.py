@@ -109,8 +109,8 @@ def test_multi_raylet_passes_record_cross_node_flows_for_both_systems(tmp_path):
                         passes=1, calibration_mib=[2, 8], logger="none")
     trace = multi_raylet_trace(cfg, passes_of(cfg), {"memcpy_gbps": 5.0})
     t = read_trace(write_trace(tmp_path / "trace.jsonl", trace))
-    assert {p.system for p in t.passes} == {"centralized", "knittrans-ray", "verl-mm"}
-    verl = next(p for p in t.passes if p.system == "verl-mm")  # three dispatches of every rank's chunk
+    assert {p.system for p in t.passes} == {"centralized", "knittrans-ray", "verl"}
+    verl = next(p for p in t.passes if p.system == "verl")  # three dispatches of every rank's chunk
     scat = [e for e in verl.events if isinstance(e, cluster_model.FlowEvent) and e.label == "scatter"]
     assert len(scat) == 3 * cfg.num_ranks and {e.key.split("/")[0] for e in scat} == {"d0", "d1", "d2"}
     for p in t.passes:
@@ -127,13 +127,14 @@ def verl_rows():
     return rows_from_trace(read_trace(FIXTURE_VERL))
 
 
-def test_the_verl_trace_ships_every_ranks_chunk_three_times_from_the_driver():
+@pytest.mark.parametrize("system,graph", [("verl", "verl_wg"), ("verl-mm", "verl")])
+def test_the_verl_trace_ships_every_ranks_chunk_three_times_from_the_driver(system, graph):
     from repro.cluster import FIXTURE_VERL
 
     t = read_trace(FIXTURE_VERL)
     nodes = t.meta["nodes"]
-    verl = [p for p in t.passes if p.system == "verl-mm"]
-    assert verl and {p.graph for p in verl} == {"verl"}
+    verl = [p for p in t.passes if p.system == system]
+    assert verl and {p.graph for p in verl} == {graph}
     for p in verl:
         flows = [e for e in p.events if isinstance(e, cluster_model.FlowEvent)]
         gather = [f for f in flows if f.label == "gather"]
@@ -144,11 +145,12 @@ def test_the_verl_trace_ships_every_ranks_chunk_three_times_from_the_driver():
         assert sum(f.nbytes for f in scatter) >= p.pixel_bytes
 
 
-def test_model_predicts_the_recorded_verl_passes_within_20_percent():
+@pytest.mark.parametrize("system", ["verl", "verl-mm"])
+def test_model_predicts_the_recorded_verl_passes_within_20_percent(system):
     from repro.cluster import FIXTURE_VERL
 
-    errs = fit_errors(validate(read_trace(FIXTURE_VERL)), "verl-mm", "knittrans-ray")
-    assert max(abs(errs[k]) for k in ("verl-mm", "knittrans-ray", "ratio")) <= FIT_BOUND, errs
+    errs = fit_errors(validate(read_trace(FIXTURE_VERL)), system, "knittrans-ray")
+    assert max(abs(errs[k]) for k in (system, "knittrans-ray", "ratio")) <= FIT_BOUND, errs
 
 
 def test_verl_projection_is_decided_on_verl_fit_only_and_grows_with_n(verl_rows):
@@ -161,7 +163,7 @@ def test_verl_projection_is_decided_on_verl_fit_only_and_grows_with_n(verl_rows)
     assert proj[(b, rk, 16)].verl_raw_s > 1.5 * proj[(b, rk, 8)].verl_raw_s  # n copies of every image
     assert proj[(b, rk, 8)].verl_raw_s > proj[(b, rk, 8)].central_raw_s  # three dispatches, not one
     drift = [dataclasses.replace(r, predicted_s=1.5 * r.predicted_s)
-             if isinstance(r, ClusterPassTrial) and r.system == "verl-mm" else r for r in verl_rows]
+             if isinstance(r, ClusterPassTrial) and r.system == "verl" else r for r in verl_rows]
     v = verdicts(drift)
     assert v["cluster_model_fit_error_verl"].status is Status.FAILS
     assert v["cluster_projected_transfer_ratio_verl"].status is Status.NOT_MEASURED

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from knittrans.dataplane import MiniBatchKey, PrepareConfig, TrajectoryPayload, build_inprocess
-from knittrans.dataplane.controller import Controller, ControllerConfig
+from knittrans.dataplane.controller import Controller
 from knittrans.dataplane.feed import AckSender, ShareFeed
 from knittrans.dataplane.types import FencedError, FieldSpec, TrajectorySchema
 from knittrans.types import MiniBatch
