@@ -415,10 +415,12 @@ class DataPlaneClient:
         names = tuple(fields) if fields is not None else self.schema.names
         return ShareFeed(self.controller, rank, names, start_seq, count, window, epoch).start()
 
-    def deliver(self, loc: ShareLocation, claim_s: float = 0.0, ack: bool = False) -> PackedShare:
+    def deliver(self, loc: ShareLocation, claim_s: float = 0.0, ack: bool = False,
+                asked_at: float | None = None) -> PackedShare:
         """Read, verify and pack a share claimed through a ``feed`` (``claim_s``: the time its caller spent on the
-        control path for it, for the fetch's timing)."""
-        return self._deliver(loc, time.perf_counter(), ack, claim_s)
+        control path for it, for the fetch's timing; ``asked_at``: when the caller asked the feed for it, for a
+        trace: the wait for its admission and location is the claim a cluster replay starts from)."""
+        return self._deliver(loc, time.perf_counter(), ack, claim_s, asked_at)
 
     def _pack(self, loc: ShareLocation, chunks: Sequence[UnitChunk]) -> PackedShare:
         """Turn the units' chunks into the rank's share (``knittrans.mmdedup.plane.MMClient`` adds images)."""
@@ -430,7 +432,8 @@ class DataPlaneClient:
             self.pool = process_pool(self.prepare.pool_buffers)
         return self.pool
 
-    def _deliver(self, loc: ShareLocation, t0: float, ack: bool = True, claim_s: float | None = None) -> PackedShare:
+    def _deliver(self, loc: ShareLocation, t0: float, ack: bool = True, claim_s: float | None = None,
+                 asked_at: float | None = None) -> PackedShare:
         """Read a claimed share, verify and pack it, ack it (after which fully consumed trajectories are dropped at
         their units). A share with runs (``loc.runs``) is read straight from its sources, no unit call; any other
         through its units. A failed read or check undoes the claim before re-raising."""
@@ -472,7 +475,7 @@ class DataPlaneClient:
             wait = 0.0
         self._timings[threading.get_ident()] = FetchTiming(claim_s, t2 - t1, t3 - t2, wait, c3 - c2)
         if rec is not None:
-            rec.add(trace.CpuEvent("claim", "", t1 - claim_s, t1, key))
+            rec.add(trace.CpuEvent("claim", "", t0 if asked_at is None else asked_at, t1, key))
             rec.add(trace.CpuEvent("pack", "", t2, t3, key))
         if direct and self.remote_controller and not ack:
             self._held[(loc.key, loc.rank)] = loc.runs.sources  # until its ack (see ``_held``)

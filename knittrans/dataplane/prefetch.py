@@ -191,8 +191,9 @@ class Prefetcher:
                                    f"{self.config.admit_timeout_s} s")
             try:
                 if self._feed is not None:
+                    t_ask = time.perf_counter()
                     loc, claim_s = self._feed.get(seq, timeout=left)
-                    return self.client.deliver(loc, claim_s, ack=self.config.ack_on_fetch)
+                    return self.client.deliver(loc, claim_s, ack=self.config.ack_on_fetch, asked_at=t_ask)
                 return self.client.fetch_next(seq, self.rank, self.fields, timeout=left,
                                               ack=self.config.ack_on_fetch, epoch=epoch)
             except TimeoutError:
