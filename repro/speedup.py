@@ -149,7 +149,8 @@ def run_point(cfg: SpeedupConfig, session, n: int, k: int) -> list[SpeedupTrial]
                          baseline_patches=st.baseline_patches, knittrans_patches=st.dedup_patches,
                          baseline_bytes=by[(p, "centralized")].bytes_moved,
                          knittrans_bytes=by[(p, "knittrans-ray")].bytes_moved,
-                         verl_transfer_s=by[(p, "verl-mm")].mean_exposed_s if cfg.verl_mm else None)
+                         verl_transfer_s=by[(p, "verl-mm")].mean_exposed_s if cfg.verl_mm else None,
+                         image_side=cfg.image_side, prompts_per_batch=cfg.prompts_per_batch)
             for p, st in enumerate(steps)]
 
 

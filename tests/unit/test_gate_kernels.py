@@ -25,7 +25,7 @@ DEVICE = resolve_device("auto")
 
 def gate_verdict(name: str, rows) -> Status:
     c = CLAIMS[name]
-    return c.evaluate(rows, bound=c.gate).status
+    return c.evaluate(rows, gate=True).status
 
 
 @pytest.fixture(scope="module")
