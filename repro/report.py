@@ -94,7 +94,7 @@ class Parts:
 
     def headline(self) -> str:
         modelled = Tally.of([v for v in self.modelled if v.claim.kind is ClaimKind.TARGET])
-        return (f"Paper claims: {Tally.of(self.paper).line('reproduced')} (measured on CPU). Our own goals: "
+        return (f"Paper claims, measured on CPU: {Tally.of(self.paper).line('reproduced')}. Our own goals: "
                 f"{Tally.of(self.ours).line()}. MODELLED and SIMULATED targets, counted apart: {modelled.line()}. "
                 "Measurements carry no verdict.")
 

@@ -172,7 +172,8 @@ def plot_timelines(timelines: Sequence[tuple[Any, Any]], path) -> None:
 
 
 def plot_all(res: Any, rows: Sequence[Any], timelines: Sequence[tuple[Any, Any]], cfg: Any) -> None:
-    st = [r for r in rows if isinstance(r, StalenessTrial)]
+    # the configured in-flight convention only: the headline's abort rows (dapo.abort) are a measurement beside it
+    st = [r for r in rows if isinstance(r, StalenessTrial) and r.inflight == cfg.system.inflight.value]
     if cfg.dapo.enabled:
         d = cfg.dapo
         plot_frontiers(st, "dapo", res.plot_path("frontier_dapo.png"),

@@ -33,9 +33,11 @@ Example::
     ...     ratio: float
     >>> c = Claim("demo_ratio", "demo", ClaimKind.TARGET, paper=">= 2", unit="x", definition="a ratio",
     ...           measure=lambda rows: median_range([r.ratio for r in rows]), bound=Bound(">=", 2.0))
-    >>> v = c.evaluate([DemoTrial(seed=0, ratio=1.5), DemoTrial(seed=1, ratio=2.5), DemoTrial(seed=2, ratio=3.0)])
+    >>> v = c.evaluate([DemoTrial(seed=0, ratio=2.1), DemoTrial(seed=1, ratio=2.5), DemoTrial(seed=2, ratio=3.0)])
     >>> v.status.value, v.measured.value, (v.measured.low, v.measured.high)
-    ('holds', 2.5, (1.5, 3.0))
+    ('holds', 2.5, (2.1, 3.0))
+    >>> c.evaluate([DemoTrial(seed=0, ratio=1.5), DemoTrial(seed=1, ratio=2.5)]).status.value  # seeds disagree
+    'unstable'
 """
 
 from __future__ import annotations

@@ -324,10 +324,10 @@ CLAIMS: tuple[Claim, ...] = (
           definition=f"{_REDUCTION}; headline DAPO shape (512 x 16, M=16), sync every step, in-flight requests "
                      f"continue; per seed the worse of the two budget-release conventions; median over >= "
                      f"{MIN_SEEDS} seeds. Gate: the same definition on the CI slice (the same shape time-scaled to "
-                     "64 prompts, one seed), bound 0.35 (0.5-0.6 on this code; KnitTrans admitting whole batches "
-                     "whenever a batch or more may be in flight reads < 0.1 there while the low-budget points, "
-                     "which the old best-point definition took, still read > 1)",
-          measure=trainer_bound_reduction(min_seeds=MIN_SEEDS), bound=Bound(">=", 0.90), gate=Bound(">=", 0.35),
+                     "64 prompts, one seed; deterministic), bound 0.4: 0.507 on this code, and 0.0 when KnitTrans "
+                     "admits whole batches whenever a batch or more may be in flight, while the low-budget points, "
+                     "which the old best-point definition took, still read 1.22",
+          measure=trainer_bound_reduction(min_seeds=MIN_SEEDS), bound=Bound(">=", 0.90), gate=Bound(">=", 0.4),
           gate_measure=trainer_bound_reduction(), comparison=_MATCH, paper_claim=1),
     Claim("arch_staleness_reduction_release_end", TABLE, ClaimKind.MEASUREMENT, paper="up to 0.93",
           unit="fraction", definition=f"the headline with budget released at step end only (the runtime's "
