@@ -8,8 +8,8 @@ Each point simulates one admission policy at one in-flight budget (groups dispat
 batches of groups), sync policy and budget-release convention (``knittrans.sim.BudgetRelease``) on a time model
 scaled from the DAPO-scale reference (``knittrans.sim.sweep.SystemModel``: every point keeps the reference's
 rollout/trainer throughput ratio). Rows go to ``results/staleness/trials.jsonl``; every claim is computed from
-them by ``repro.spec.staleness`` (matched operating points, the reduction at train-batch's trainer-bound point, seeds). ``gate_trials()`` is the
-CI-size slice that ``python -m repro.gates --only staleness`` checks.
+them by ``repro.spec.staleness`` (matched operating points, the reduction at train-batch's trainer-bound point,
+seeds). ``gate_trials()`` is the CI-size slice that ``python -m repro.gates --only staleness`` checks.
 """
 
 from __future__ import annotations

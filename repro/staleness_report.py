@@ -62,7 +62,8 @@ def describe(rows: Sequence[Any], cfg: Any) -> str:
         for r in rows:
             if isinstance(r, StalenessTrial) and r.scenario == "sweep" and r.ok and r.policy == "knittrans":
                 idle[(r.num_minibatches, r.group_size, r.tail, r.release)].append(r.trainer_idle)
-        lines += ["", "### Outer sweep: reduction at the trainer-bound point per config (median [min, max] over seeds)", "",
+        lines += ["", "### Outer sweep: reduction at the trainer-bound point per config (median [min, max] over "
+                  "seeds)", "",
                   "| M | n | tail | release | reduction | KnitTrans trainer idle (median) |",
                   "|---|---|---|---|---|---|"]
         for k, v in sorted(sweep.items()):

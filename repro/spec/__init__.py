@@ -66,5 +66,5 @@ def evaluate_dir(results_dir: str | Path) -> dict[str, list[Verdict]]:
     return {t: evaluate(t, logs[t].rows if t in logs else []) for t in tables()}
 
 
-__all__ = ["PAPER_CLAIMS", "Bound", "Claim", "ClaimKind", "Evidence", "Measured", "Status", "Trial", "Verdict", "claims", "evaluate",
-           "evaluate_dir", "gate_modules", "median_range", "not_measured", "paired_mean_ci", "tables", "trial"]
+__all__ = ["PAPER_CLAIMS", "Bound", "Claim", "ClaimKind", "Evidence", "Measured", "Status", "Trial", "Verdict",
+           "claims", "evaluate", "evaluate_dir", "gate_modules", "median_range", "not_measured", "paired_mean_ci", "tables", "trial"]

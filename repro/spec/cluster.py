@@ -245,7 +245,8 @@ CLAIMS: tuple[Claim, ...] = (
           "|predicted / measured - 1| of the model's medians over the multi-raylet passes: each system's raw time "
           "and their ratio; the worst of the three decides; [per-pass range]. Gate: the same bound on the "
           "recorded trace tests/fixtures/cluster_trace.jsonl (deterministic)",
-          fit_error, bound=Bound("<=", FIT_BOUND), gate=Bound("<=", FIT_BOUND), comparison=MODEL, evidence=Evidence.MODELLED),
+          fit_error, bound=Bound("<=", FIT_BOUND), gate=Bound("<=", FIT_BOUND), comparison=MODEL,
+          evidence=Evidence.MODELLED),
     Claim("cluster_model_fit_error_verl", TABLE, ClaimKind.TARGET, "(ours, issue 14) the model predicts the "
           "multi-raylet measurements within 20%", "rel",
           "as cluster_model_fit_error, on the verl-mm passes: |predicted / measured - 1| of the medians over the "
@@ -264,7 +265,8 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("cluster_projected_speedup", TABLE, ClaimKind.TARGET, "up to 5.8x", "x",
           "MODELLED (exposed transfer + training) per batch, baseline / KnitTrans, at the pre-registered point, "
           "[min, max] over the sweep; bound 4.6 = 0.8 x 5.8 as the speedup table's; decided only where "
-          "cluster_model_fit_error holds", projected("speedup"), bound=Bound(">=", 4.6), comparison=PROJ, evidence=Evidence.MODELLED),
+          "cluster_model_fit_error holds", projected("speedup"), bound=Bound(">=", 4.6), comparison=PROJ,
+          evidence=Evidence.MODELLED),
     Claim("cluster_projected_transfer_ratio_verl", TABLE, ClaimKind.TARGET, "~100x (two orders of magnitude, "
           "measured against verl)", "x",
           "MODELLED raw transfer per batch, verl-mm (the faithful verl baseline: every sample's own pixel_values "
@@ -277,7 +279,8 @@ CLAIMS: tuple[Claim, ...] = (
           "MODELLED (exposed transfer + training) per batch, verl-mm / KnitTrans, at the pre-registered point, "
           "[min, max] over the sweep; bound 4.6; decided only where cluster_model_fit_error_verl holds",
           projected("speedup_verl", VERL), bound=Bound(">=", 4.6),
-          comparison=PROJ + "; verl-mm trains every image occurrence, as the centralized baseline", evidence=Evidence.MODELLED),
+          comparison=PROJ + "; verl-mm trains every image occurrence, as the centralized baseline",
+          evidence=Evidence.MODELLED),
     Claim("cluster_projected_transfer_ratio_best", TABLE, ClaimKind.MEASUREMENT, "~100x", "x",
           "MODELLED: the largest raw transfer ratio of the sweep (a selection: context)",
           projected_best("transfer_ratio"), comparison=PROJ, evidence=Evidence.MODELLED),

@@ -30,12 +30,13 @@ the admission policies instead, and the runtime's mechanics (exactly-once delive
 staleness) are tested end to end (tests/e2e/test_runtime_handoff.py).
 
 **The replay run** (``python -m repro.quality_replay``, table ``quality-replay``, SIMULATED, no verdict): the same
-arms and the same definitions, deterministic. The simulator (the product admission policies, the staleness table's time model)
-schedules every run; ``knittrans.sim.replay`` replays each schedule with a small GRPO learner, every trajectory
-generated with the weights of its ``v_gen`` (a contextual bandit, exact held-out evaluation, the same random draws
-per trajectory in every arm). KnitTrans's matched budget is the smallest whose simulated steady-state steps/s
-reaches train-batch's (median over seeds). One ``ReplayRun`` per (seed, arm); its rows and claims (measurements; ``replay_gap_narrowed`` gated in CI as a
-regression guard) are in ``repro/spec/quality_replay.py``, with these measures.
+arms and the same definitions, deterministic. The simulator (the product admission policies, the staleness table's
+time model) schedules every run; ``knittrans.sim.replay`` replays each schedule with a small GRPO learner, every
+trajectory generated with the weights of its ``v_gen`` (a contextual bandit, exact held-out evaluation, the same
+random draws per trajectory in every arm). KnitTrans's matched budget is the smallest whose simulated steady-state
+steps/s reaches train-batch's (median over seeds). One ``ReplayRun`` per (seed, arm); its rows and claims
+(measurements; ``replay_gap_narrowed`` gated in CI as a regression guard) are in ``repro/spec/quality_replay.py``,
+with these measures.
 What it shows: given a learner that staleness hurts (its sensitivity, the learning rate, is stated beside the
 claim), KnitTrans's schedule loses less of colocated's quality than train-batch's does at matched throughput.
 What it does not show: how much a real LLM loses per step of staleness.

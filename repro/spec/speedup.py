@@ -157,7 +157,8 @@ CLAIMS: tuple[Claim, ...] = (
           "per pass, at the pre-registered point (largest n x images per prompt); median over K passes, [min, max]; "
           "range (0, inf). Decided at the table's image size (the largest that fits a make repro on 2 CPU cores; "
           "stated in the note with the paper's 448 px: a larger image raises the vision tower's share of a step "
-          "and so what dedup saves). Bound 4.6 = 0.8 x 5.8, fixed before the run. Gate bound 1.5 at CI size (n=8, 336px, "
+          "and so what dedup saves). Bound 4.6 = 0.8 x 5.8, fixed before the run. Gate bound 1.5 at CI size (n=8, "
+          "336px, "
           "the tiny model, whose vision tower is then most of a step, 5 passes): medians 2.9-3.3 on an idle 2-core "
           "machine, and 1.24-1.27 with the plane's dedup off (at 168px, the gate's size until session 21, 2.1-2.3 "
           "and 1.30-1.44: too close to the bound for the regression test to run in CI)",
