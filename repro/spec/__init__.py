@@ -67,4 +67,5 @@ def evaluate_dir(results_dir: str | Path) -> dict[str, list[Verdict]]:
 
 
 __all__ = ["PAPER_CLAIMS", "Bound", "Claim", "ClaimKind", "Evidence", "Measured", "Status", "Trial", "Verdict",
-           "claims", "evaluate", "evaluate_dir", "gate_modules", "median_range", "not_measured", "paired_mean_ci", "tables", "trial"]
+           "claims", "evaluate", "evaluate_dir", "gate_modules", "median_range", "not_measured", "paired_mean_ci",
+           "tables", "trial"]
