@@ -62,9 +62,9 @@ class DapoConf:
     others run at the first seed and release only (context for the plots and rows)."""
     context_policies: list[AdmissionKind] = field(default_factory=lambda: [BA])
     """Run at the first seed and release only, for every sync policy (context)."""
-    cdf_budget: float = 3.0
-    """The CDF plot compares policies at the throughput train-batch reaches with this budget (3: its trainer-bound
-    point, where the headline is decided; 1.0 until session 26)."""
+    cdf_budget: float | None = None
+    """The CDF plot compares policies at the throughput train-batch reaches with this budget; None: its fastest
+    budget (its trainer-bound point, where the headline is decided; 1.0 until session 26)."""
     abort: bool = True
     """Also run the headline frontier (every seed, both release conventions, sync every step) with in-flight
     requests aborted at each sync (``system.inflight`` = abort): the ``arch_staleness_reduction_abort`` measurement.

@@ -265,11 +265,21 @@ class Verdict:
                 "high": _num(m.high), "n": m.n, "spread": m.spread, "status": self.status.value,
                 "holds": {Status.HOLDS: True, Status.FAILS: False}.get(self.status), "note": m.note,
                 "definition": c.definition, "comparison": c.comparison, "paper_claim": c.paper_claim,
-                "evidence": c.evidence.value, "repeats": m.repeats}
+                "evidence": c.evidence.value, "repeats": m.repeats, "infinite": _infinite(m)}
 
 
 def _num(v: float | None) -> float | None:
     return None if v is None or not math.isfinite(v) else float(v)
+
+
+def _infinite(m: Measured) -> str | None:
+    """``value [low, high]`` as text where an end is infinite (JSON holds them as null), e.g. "-inf [-inf, 0.04]"
+    for a reduction whose KnitTrans never reached the throughput; None where every end is finite or absent."""
+    ends = (m.value, m.low, m.high)
+    if not any(x is not None and math.isinf(x) for x in ends):
+        return None
+    v, lo, hi = (format(x, ".3g") if x is not None else "n/a" for x in ends)
+    return v if m.low is None or m.high is None else f"{v} [{lo}, {hi}]"
 
 
 # -- statistics shared by claims ---------------------------------------------------------------------------------
