@@ -36,6 +36,7 @@ from baselines.admission import make_policy
 from knittrans.runtime.config import RuntimeConfig, SyncPolicy
 from knittrans.runtime.records import RunResult, write_trace
 from knittrans.runtime.trainer import GRPOConfig
+from repro.quality_report import Curve, plot
 from repro.spec.quality import ARMS, MM_ARMS, ROW_TYPES, MMQualityRun, QualityRun, ThroughputProbe, matched_budget
 from workloads.arith import ArithTask
 from workloads.arith_session import RolloutEngines, arith_setup, evaluate_snapshots, heldout_problems, run_mode
@@ -186,19 +187,6 @@ def probe(cfg: QualityConfig, setup, engines: RolloutEngines) -> list[Throughput
     return rows
 
 
-@dataclass
-class Curve:
-    """One run's learning curve (for the plots)."""
-
-    arm: str
-    seed: int
-    steps: list[int]
-    acc: list[float]
-    wall: list[float]
-    reward: list[float]
-    staleness: np.ndarray
-
-
 def run_seed(cfg: QualityConfig, setup, budgets: dict[str, int], problems, bar, engines: RolloutEngines) -> tuple[list[QualityRun], list[Curve]]:  # noqa: ANN001,E501
     """Every arm from this seed's warm start, back to back (the order rotates with the seed)."""
     rows, curves = [], []
@@ -225,46 +213,6 @@ def row(arm: str, order: int, rc: RuntimeConfig, run: RunResult, acc: list[float
         staleness_p99=st.p99, staleness_max=st.max, staleness_bound=rc.staleness_bound(),
         clip_frac=float(np.mean([s.clip_frac for s in run.steps])), wall_s=run.wall_s,
         steps_per_s=run.throughput_steps_per_s(), trainer_busy=run.trainer_busy_fraction())
-
-
-def plot(curves: list[Curve], results, arms: tuple[str, ...] = ARMS) -> None:  # noqa: ANN001 - a Results
-    """Accuracy against steps and wall-clock (mean over seeds), each arm's paired gain over train-batch at every
-    evaluation point (mean, min-max band over seeds: the warm start moves every arm of a seed together), and the
-    measured staleness."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a_step, a_gain, a_wall, a_st) = plt.subplots(1, 4, figsize=(21, 4.5))
-    tb = {c.seed: np.array(c.acc) for c in curves if c.arm == "train_batch"}
-    for color, arm in enumerate(arms):
-        cs = [c for c in curves if c.arm == arm]
-        if not cs:
-            continue
-        kw = {"color": f"C{color}", "label": arm}
-        acc = np.array([c.acc for c in cs])
-        a_step.plot(cs[0].steps, acc.mean(0), **kw)
-        gain = np.array([np.array(c.acc) - tb[c.seed] for c in cs if c.seed in tb])
-        if arm != "train_batch" and len(gain):
-            a_gain.plot(cs[0].steps, gain.mean(0), **kw)
-            a_gain.fill_between(cs[0].steps, gain.min(0), gain.max(0), color=f"C{color}", alpha=0.15)
-        a_wall.plot(np.array([c.wall for c in cs]).mean(0), acc.mean(0), **kw)
-        st = np.concatenate([c.staleness for c in cs])
-        a_st.hist(st, bins=np.arange(st.max() + 2) - 0.5, alpha=0.4, color=f"C{color}",
-                  label=f"{arm} (mean {st.mean():.2f})")
-    a_step.set(xlabel="optimizer step", ylabel="held-out greedy accuracy", title="accuracy vs steps (mean over seeds)")
-    a_gain.axhline(0, color="k", lw=0.8)
-    a_gain.set(xlabel="optimizer step", ylabel="accuracy - train-batch's (same seed)",
-               title="paired gain over train-batch (min-max band)")
-    a_wall.set(xlabel="wall-clock (s, mean over seeds)", ylabel="held-out greedy accuracy",
-               title="accuracy vs wall-clock")
-    a_st.set(xlabel="staleness v_train - v_gen (steps)", ylabel="trajectories", title="measured staleness")
-    for a in (a_step, a_gain, a_wall, a_st):
-        a.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(results.plot_path("quality_curves.png"), dpi=110)
-    plt.close(fig)
 
 
 def mm_seed(cfg: QualityConfig, setup, prompts, bar) -> tuple[list[MMQualityRun], list[Curve]]:  # noqa: ANN001
