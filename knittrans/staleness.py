@@ -6,7 +6,8 @@ The version definitions (policy version, ``v_gen``, ``v_train``, staleness) are 
   batch, then train its M mini-batches). There ``s = j`` for the j-th mini-batch, mean ``(M-1)/2``: that part is
   algorithmic, not architectural.
 - **Architectural staleness** ``A = mean s(architecture) - mean s(colocated)``, same workload and constraints.
-  The headline metric is ``1 - A(KnitTrans) / A(train-batch)``.
+  The headline metric is ``1 - A(KnitTrans) / A(train-batch)``, uncapped, decided at train-batch's trainer-bound
+  (maximum-throughput) Pareto point with KnitTrans throughput-matched (``trainer_bound``).
 - **Admission delay** (seconds): time from a trajectory's completion to the start of the step that consumes it.
 - **Throughput**: trajectories (and response tokens) consumed per second of steady state.
 - **Matched comparison** (``matched_reductions``): policies are compared on the staleness-throughput frontier,
@@ -15,12 +16,14 @@ The version definitions (policy version, ``v_gen``, ``v_train``, staleness) are 
   (alternating those two budgets reaches about that point, so it is an operating point, not an extrapolation,
   and it is conservative next to the front's convex hull). The interpolation keeps the matched value from
   jumping between budgets of a coarse grid.
-- **Bounded reduction** (``bounded_reduction``): the headline ratio ``1 - A_kt / A_tb`` explodes as ``A_tb -> 0``
-  and passes 1 when KnitTrans runs below the colocated reference (``A_kt < 0``). We report
-  ``clip(1 - max(A_kt, 0) / A_tb, -1, 1)``, only where ``A_tb >= MIN_ARCH_STALENESS`` (one optimizer step: the
-  resolution of staleness; below it there is no architectural staleness to reduce), and -1 where KnitTrans
-  cannot reach the train-batch point's throughput at all (within ``THROUGHPUT_TIE``). Range [-1, 1]; 1 means
-  "at or below the colocated reference".
+- **Reduction** (``arch_reduction``): ``1 - A_kt / A_tb``, uncapped: above 1 when KnitTrans runs below the
+  colocated reference (``A_kt < 0``), negative when it is staler than train-batch. Only where
+  ``A_tb >= MIN_ARCH_STALENESS`` (one optimizer step: the resolution of staleness; below it the ratio explodes and
+  there is no architectural staleness to reduce); None where KnitTrans cannot reach the train-batch point's
+  throughput at all (within ``THROUGHPUT_TIE``): there is no matched point to compare.
+- **Trainer-bound point** (``trainer_bound``): of train-batch's Pareto points, the one with the highest throughput
+  (the front's last point): where a disaggregated deployment runs train-batch admission (one-step-off or more in
+  flight, the trainer saturated). The headline is decided there; the other points are context.
 
 Metrics are taken over a steady-state window: the steps after the first ``warmup_batches`` batches' worth of
 steps (the pipeline fill), so that throughput and staleness are not dominated by the start-up transient.
@@ -33,9 +36,9 @@ Example::
     (1.5, 3.0)
     >>> colocated_mean_staleness(16)
     7.5
-    >>> bounded_reduction(a_knittrans=-0.5, a_train_batch=7.5), bounded_reduction(0.75, 7.5)
-    (1.0, 0.9)
-    >>> bounded_reduction(0.1, 0.2) is None   # under one step of architectural staleness: nothing to reduce
+    >>> arch_reduction(a_knittrans=-0.75, a_train_batch=7.5), arch_reduction(0.75, 7.5)  # below colocated: > 1
+    (1.1, 0.9)
+    >>> arch_reduction(0.1, 0.2) is None   # under one step of architectural staleness: nothing to reduce
     True
     >>> littles_law_staleness(budget_groups=4, groups_per_step=4, total_groups=64)  # one mini-batch in flight
     0.0
@@ -225,15 +228,11 @@ def frontier_staleness(points: Sequence[OperatingPoint], throughput: float,
     return front[-1].arch_staleness  # unreachable: the loop covers [first, last]
 
 
-def bounded_reduction(a_knittrans: float | None, a_train_batch: float,
-                      min_arch: float = MIN_ARCH_STALENESS) -> float | None:
-    """``clip(1 - max(A_kt, 0) / A_tb, -1, 1)`` (module docstring); None when ``A_tb < min_arch``; -1 when
-    KnitTrans has no matching point (``a_knittrans`` None)."""
+def arch_reduction(a_knittrans: float, a_train_batch: float, min_arch: float = MIN_ARCH_STALENESS) -> float | None:
+    """``1 - A_kt / A_tb``, uncapped (module docstring); None when ``A_tb < min_arch``."""
     if not a_train_batch >= min_arch:
         return None
-    if a_knittrans is None:
-        return -1.0
-    return float(min(1.0, max(-1.0, 1.0 - max(a_knittrans, 0.0) / a_train_batch)))
+    return float(1.0 - a_knittrans / a_train_batch)
 
 
 @dataclass(frozen=True)
@@ -241,13 +240,14 @@ class MatchedPoint:
     train_batch: OperatingPoint
     arch_knittrans: float | None
     """KnitTrans's architectural staleness at equal or higher throughput (None: it never gets that fast)."""
-    reduction: float
-    """``bounded_reduction`` of the pair, in [-1, 1]."""
+    reduction: float | None
+    """``arch_reduction`` of the pair, uncapped; None where KnitTrans has no matching point."""
 
 
 def matched_reductions(knittrans: Sequence[OperatingPoint], train_batch: Sequence[OperatingPoint],
                        min_arch: float = MIN_ARCH_STALENESS) -> list[MatchedPoint]:
-    """One ``MatchedPoint`` for every train-batch Pareto point with ``A_tb >= min_arch`` (by throughput).
+    """One ``MatchedPoint`` for every train-batch Pareto point with ``A_tb >= min_arch``, by increasing throughput
+    (so the last one is the trainer-bound point, ``trainer_bound``).
 
     >>> tb = [OperatingPoint(2.0, 4.0), OperatingPoint(3.0, 8.0)]
     >>> kt = [OperatingPoint(1.0, 0.1), OperatingPoint(2.5, 2.0), OperatingPoint(3.0, 4.0)]
@@ -258,8 +258,18 @@ def matched_reductions(knittrans: Sequence[OperatingPoint], train_batch: Sequenc
     """
     out = []
     for q in pareto_front(train_batch):
+        if not q.arch_staleness >= min_arch:
+            continue
         a_kt = frontier_staleness(knittrans, q.throughput)
-        r = bounded_reduction(a_kt, q.arch_staleness, min_arch)
-        if r is not None:
-            out.append(MatchedPoint(q, a_kt, r))
+        out.append(MatchedPoint(q, a_kt, None if a_kt is None else arch_reduction(a_kt, q.arch_staleness, min_arch)))
     return out
+
+
+def trainer_bound(matched: Sequence[MatchedPoint]) -> MatchedPoint | None:
+    """The matched point at train-batch's fastest Pareto point (``matched_reductions``' last), or None.
+
+    >>> tb = [OperatingPoint(2.0, 4.0, budget=1), OperatingPoint(3.0, 8.0, budget=2)]
+    >>> trainer_bound(matched_reductions([OperatingPoint(3.0, 2.0)], tb)).train_batch.budget
+    2
+    """
+    return max(matched, key=lambda m: m.train_batch.throughput, default=None)

@@ -36,7 +36,8 @@ from baselines.admission import make_policy
 from knittrans.runtime.config import RuntimeConfig, SyncPolicy
 from knittrans.runtime.records import RunResult, write_trace
 from knittrans.runtime.trainer import GRPOConfig
-from repro.spec.quality import ARMS, MM_ARMS, MMQualityRun, QualityRun, ThroughputProbe, matched_budget
+from repro.quality_report import Curve, plot
+from repro.spec.quality import ARMS, MM_ARMS, ROW_TYPES, MMQualityRun, QualityRun, ThroughputProbe, matched_budget
 from workloads.arith import ArithTask
 from workloads.arith_session import RolloutEngines, arith_setup, evaluate_snapshots, heldout_problems, run_mode
 from workloads.tiny_models import TinyPolicyConfig, WarmStartConfig
@@ -83,6 +84,9 @@ class QualityConfig:
 
     workload: str = "text"
     """``text`` (the arithmetic policy, the fields below) or ``multimodal`` (the tiny VLM, settings under ``mm``)."""
+    table: str = "quality"
+    """The text run's table: ``quality`` (make repro's size: measurements) or ``quality-long`` (the pre-registered
+    long profile that decides paper claim 2: ``python -m repro.quality_long``, repro/conf/quality_long.yaml)."""
     mm: MMQuality = field(default_factory=MMQuality)
     """The multimodal run's settings."""
 
@@ -177,23 +181,10 @@ def probe(cfg: QualityConfig, setup, engines: RolloutEngines) -> list[Throughput
         for arm, budget in rotate(arms, k):
             rc = runtime_config(cfg, arm, budget, setup.seed, num_batches=cfg.match_batches)
             run = run_mode(rc, setup, engine=engines(setup), make_policy=make_policy)
-            rows.append(ThroughputProbe(seed=setup.seed, pass_index=k, arm=arm, budget_groups=budget,
-                                        steps_per_s=run.throughput_steps_per_s(),
-                                        staleness_mean=run.staleness_stats.mean))
+            rows.append(ROW_TYPES[cfg.table][1](seed=setup.seed, pass_index=k, arm=arm, budget_groups=budget,
+                                                steps_per_s=run.throughput_steps_per_s(),
+                                                staleness_mean=run.staleness_stats.mean))
     return rows
-
-
-@dataclass
-class Curve:
-    """One run's learning curve (for the plots)."""
-
-    arm: str
-    seed: int
-    steps: list[int]
-    acc: list[float]
-    wall: list[float]
-    reward: list[float]
-    staleness: np.ndarray
 
 
 def run_seed(cfg: QualityConfig, setup, budgets: dict[str, int], problems, bar, engines: RolloutEngines) -> tuple[list[QualityRun], list[Curve]]:  # noqa: ANN001,E501
@@ -205,62 +196,23 @@ def run_seed(cfg: QualityConfig, setup, budgets: dict[str, int], problems, bar, 
         run = run_mode(rc, setup, engine=engines(setup), make_policy=make_policy)
         steps, acc, wall = evaluate_snapshots(setup, run, problems, max_new_tokens=rc.max_new_tokens)
         write_trace(run, f"{cfg.out_dir}/traces/{arm}-seed{setup.seed}.csv.gz")
-        rows.append(row(arm, order, rc, run, acc))
+        rows.append(row(arm, order, rc, run, acc, ROW_TYPES[cfg.table][0]))
         curves.append(Curve(arm, setup.seed, steps, acc, wall, [s.mean_reward for s in run.steps], run.staleness()))
         bar.set_postfix(arm=arm, seed=setup.seed, auc=f"{rows[-1].auc:.3f}", stale=f"{rows[-1].staleness_mean:.2f}")
         bar.update()
     return rows, curves
 
 
-def row(arm: str, order: int, rc: RuntimeConfig, run: RunResult, acc: list[float]) -> QualityRun:
+def row(arm: str, order: int, rc: RuntimeConfig, run: RunResult, acc: list[float],
+        cls: type[QualityRun] = QualityRun) -> QualityRun:
     st = run.staleness_stats
-    return QualityRun(
+    return cls(
         seed=rc.seed, arm=arm, budget_groups=rc.budget if arm != "colocated" else 0, order=order,
         steps=len(run.steps), auc=float(np.mean(acc)), final_acc=acc[-1], init_acc=acc[0],
         mean_reward=float(np.mean([s.mean_reward for s in run.steps])), staleness_mean=st.mean,
         staleness_p99=st.p99, staleness_max=st.max, staleness_bound=rc.staleness_bound(),
         clip_frac=float(np.mean([s.clip_frac for s in run.steps])), wall_s=run.wall_s,
         steps_per_s=run.throughput_steps_per_s(), trainer_busy=run.trainer_busy_fraction())
-
-
-def plot(curves: list[Curve], results, arms: tuple[str, ...] = ARMS) -> None:  # noqa: ANN001 - a Results
-    """Accuracy against steps and wall-clock (mean over seeds), each arm's paired gain over train-batch at every
-    evaluation point (mean, min-max band over seeds: the warm start moves every arm of a seed together), and the
-    measured staleness."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a_step, a_gain, a_wall, a_st) = plt.subplots(1, 4, figsize=(21, 4.5))
-    tb = {c.seed: np.array(c.acc) for c in curves if c.arm == "train_batch"}
-    for color, arm in enumerate(arms):
-        cs = [c for c in curves if c.arm == arm]
-        if not cs:
-            continue
-        kw = {"color": f"C{color}", "label": arm}
-        acc = np.array([c.acc for c in cs])
-        a_step.plot(cs[0].steps, acc.mean(0), **kw)
-        gain = np.array([np.array(c.acc) - tb[c.seed] for c in cs if c.seed in tb])
-        if arm != "train_batch" and len(gain):
-            a_gain.plot(cs[0].steps, gain.mean(0), **kw)
-            a_gain.fill_between(cs[0].steps, gain.min(0), gain.max(0), color=f"C{color}", alpha=0.15)
-        a_wall.plot(np.array([c.wall for c in cs]).mean(0), acc.mean(0), **kw)
-        st = np.concatenate([c.staleness for c in cs])
-        a_st.hist(st, bins=np.arange(st.max() + 2) - 0.5, alpha=0.4, color=f"C{color}",
-                  label=f"{arm} (mean {st.mean():.2f})")
-    a_step.set(xlabel="optimizer step", ylabel="held-out greedy accuracy", title="accuracy vs steps (mean over seeds)")
-    a_gain.axhline(0, color="k", lw=0.8)
-    a_gain.set(xlabel="optimizer step", ylabel="accuracy - train-batch's (same seed)",
-               title="paired gain over train-batch (min-max band)")
-    a_wall.set(xlabel="wall-clock (s, mean over seeds)", ylabel="held-out greedy accuracy",
-               title="accuracy vs wall-clock")
-    a_st.set(xlabel="staleness v_train - v_gen (steps)", ylabel="trajectories", title="measured staleness")
-    for a in (a_step, a_gain, a_wall, a_st):
-        a.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(results.plot_path("quality_curves.png"), dpi=110)
-    plt.close(fig)
 
 
 def mm_seed(cfg: QualityConfig, setup, prompts, bar) -> tuple[list[MMQualityRun], list[Curve]]:  # noqa: ANN001
@@ -338,7 +290,9 @@ def run_table(cfg: QualityConfig, engines: RolloutEngines | None = None):  # noq
         return run_mm_table(cfg)
     if cfg.workload != "text":
         raise ValueError(f"QualityConfig: workload={cfg.workload!r} engine={cfg.engine!r}; text, or multimodal with hf")
-    results, t_start = Results(table="quality", out_dir=cfg.out_dir), time.perf_counter()
+    if cfg.table not in ROW_TYPES:
+        raise ValueError(f"QualityConfig: table={cfg.table!r}; one of {sorted(ROW_TYPES)}")
+    results, t_start = Results(table=cfg.table, out_dir=cfg.out_dir), time.perf_counter()
     problems = heldout_problems(task := ArithTask(), cfg.heldout)
     grpo = GRPOConfig(lr=cfg.lr, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef)
 
@@ -387,13 +341,18 @@ def run_table(cfg: QualityConfig, engines: RolloutEngines | None = None):  # noq
     return results
 
 
-@hydra.main(config_path="conf", config_name="quality", version_base=None)
-def main(cfg) -> None:  # noqa: ANN001
+def cli(cfg) -> None:  # noqa: ANN001 - a DictConfig of QualityConfig
+    """Run the table ``cfg`` composes and publish it (``main`` here, ``repro.quality_long.main``)."""
     from repro.logger import publish
 
     qc = OmegaConf.to_object(cfg)
-    name = "quality" if qc.workload == "text" else f"quality-{qc.workload}"
+    name = qc.table if qc.workload == "text" else f"quality-{qc.workload}"
     publish(run_table(qc), qc.logger, name, config=cfg, seed=(qc.seeds if qc.workload == "text" else qc.mm.seeds)[0])
+
+
+@hydra.main(config_path="conf", config_name="quality", version_base=None)
+def main(cfg) -> None:  # noqa: ANN001
+    cli(cfg)
 
 
 if __name__ == "__main__":

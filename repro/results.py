@@ -117,6 +117,8 @@ def claims_table(claims: Sequence[Claim]) -> str:
 def fmt_measured(d: dict[str, Any]) -> str:
     """``value [low, high]`` of a verdict dict, or "not measured"."""
     v = d.get("measured")
+    if d.get("infinite"):
+        return d["infinite"]
     if v is None:
         return "did not finish" if d.get("holds") is False else "not measured"
     out = format(v, ".3g")

@@ -49,8 +49,9 @@ class SpeedupConfig:
 
     scale: str = "default"
     """"default" (CPU-sized, below) or "paper" (448 x 448 images, 64 prompts, M=4, 8 ranks, 4 units)."""
-    group_sizes: list[int] = field(default_factory=lambda: [8, 16])
-    """n: samples per prompt, swept."""
+    group_sizes: list[int] = field(default_factory=lambda: [16])
+    """n: samples per prompt, swept ([8, 16] until session 26: the registered point alone leaves make repro the time
+    for 336px images; ``group_sizes=[8,16]`` adds the context point back)."""
     images_per_prompt: list[int] = field(default_factory=lambda: [2])
     """Images per prompt, swept."""
     prompts_per_batch: int = 4
@@ -59,8 +60,11 @@ class SpeedupConfig:
     """M: optimizer steps per batch."""
     num_ranks: int = 2
     num_units: int = 2
-    image_side: int = 168
-    """Nominal image side (pixels); prompts draw from side x side and two 3/4 rectangles."""
+    image_side: int = 336
+    """Nominal image side (pixels); prompts draw from side x side and two 3/4 rectangles. 336: the largest side whose
+    table fits make repro's 30 minutes on 2 cores (issue 26; chosen by run time alone): a training step of the
+    registered point costs ~4.4x 168px's at 336 and ~24x at 448, the paper's size (``image_side=448``: ~5 min more
+    on an idle 2-core Xeon, ~10 on the AMD machine of session 25). 168 until session 26."""
     arch: str = "qwen2_vl"
     """qwen2_vl or qwen2_5_vl."""
     model: str = "qwen2_vl_7b_balance"
@@ -159,7 +163,8 @@ def run_point(cfg: SpeedupConfig, session, n: int, k: int) -> list[SpeedupTrial]
                          baseline_bytes=by[(p, "centralized")].bytes_moved,
                          knittrans_bytes=by[(p, "knittrans-ray")].bytes_moved,
                          verl_transfer_s=by[(p, "verl")].mean_exposed_s if cfg.verl else None,
-                         verl_version=verl_version() if cfg.verl else None)
+                         verl_version=verl_version() if cfg.verl else None,
+                         image_side=cfg.image_side, prompts_per_batch=cfg.prompts_per_batch)
             for p, st in enumerate(steps)]
 
 

@@ -8,8 +8,8 @@ Each point simulates one admission policy at one in-flight budget (groups dispat
 batches of groups), sync policy and budget-release convention (``knittrans.sim.BudgetRelease``) on a time model
 scaled from the DAPO-scale reference (``knittrans.sim.sweep.SystemModel``: every point keeps the reference's
 rollout/trainer throughput ratio). Rows go to ``results/staleness/trials.jsonl``; every claim is computed from
-them by ``repro.spec.staleness`` (matched operating points, bounded reduction, seeds). ``gate_trials()`` is the
-CI-size slice that ``python -m repro.gates --only staleness`` checks.
+them by ``repro.spec.staleness`` (matched operating points, the reduction at train-batch's trainer-bound point,
+seeds). ``gate_trials()`` is the CI-size slice that ``python -m repro.gates --only staleness`` checks.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from knittrans.constraints import BatchConstraints
 from knittrans.sim import BudgetRelease, SimDeadlock, SyncPolicy
 from knittrans.sim.sweep import COLOCATED, PointOutcome, PointSpec, SystemModel, Timeline, measure
 from knittrans.sim.theory import TheoryCheck, budget_check, group_queue_check
-from knittrans.types import AdmissionKind
+from knittrans.types import AdmissionKind, InflightPolicy
 from repro.spec.staleness import LittleLawTrial, StalenessTrial
 from workloads.text import TAILS, LengthDist, TextWorkloadConfig, generate_batches
 
@@ -62,8 +62,13 @@ class DapoConf:
     others run at the first seed and release only (context for the plots and rows)."""
     context_policies: list[AdmissionKind] = field(default_factory=lambda: [BA])
     """Run at the first seed and release only, for every sync policy (context)."""
-    cdf_budget: float = 1.0
-    """The CDF plot compares policies at the throughput train-batch reaches with this budget."""
+    cdf_budget: float | None = None
+    """The CDF plot compares policies at the throughput train-batch reaches with this budget; None: its fastest
+    budget (its trainer-bound point, where the headline is decided; 1.0 until session 26)."""
+    abort: bool = True
+    """Also run the headline frontier (every seed, both release conventions, sync every step) with in-flight
+    requests aborted at each sync (``system.inflight`` = abort): the ``arch_staleness_reduction_abort`` measurement.
+    Skipped when ``system.inflight`` is abort already."""
 
 
 @dataclass
@@ -219,6 +224,9 @@ def build_jobs(cfg: StalenessConf) -> list[Job]:
             syncs = [SyncPolicy(x) for x in d.syncs]
             head = frontier_jobs("dapo", shape, d.tail, seed, d.num_batches, d.warmup_batches, d.policies,
                                  d.budgets, [x for x in syncs if x is ES], rels, cfg.system, keep_hist=i == 0)
+            if d.abort and cfg.system.inflight is not InflightPolicy.ABORT:
+                head += frontier_jobs("dapo", shape, d.tail, seed, d.num_batches, d.warmup_batches, d.policies,
+                                      d.budgets, [ES], rels, replace(cfg.system, inflight=InflightPolicy.ABORT))[1:]
             if i == 0:
                 head += frontier_jobs("dapo", shape, d.tail, seed, d.num_batches, d.warmup_batches,
                                       d.context_policies, d.budgets, syncs, rels[:1], cfg.system)[1:]

@@ -15,7 +15,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from repro.spec.staleness import (HEADLINE_SCENARIO, HEADLINE_SYNC, RELEASES, StalenessTrial, best, config_key,
+from knittrans.staleness import trainer_bound
+from repro.spec.staleness import (HEADLINE_SCENARIO, HEADLINE_SYNC, RELEASES, StalenessTrial, config_key,
                                   matched_by_config)
 
 COLORS = {"knittrans": "C0", "train_batch": "C1", "bounded_async": "C2", "greedy": "C3", "clairvoyant": "C4",
@@ -32,32 +33,37 @@ def describe(rows: Sequence[Any], cfg: Any) -> str:
     lines = [
         "Architectural staleness A = mean staleness - (M-1)/2 (the colocated reference). Each train-batch Pareto "
         "point is matched with KnitTrans's Pareto front at equal or higher throughput, interpolated between "
-        "neighbouring budgets; the reduction is clip(1 - max(A_kt, 0)/A_tb, -1, 1), only where A_tb >= 1 step.",
+        "neighbouring budgets; the reduction is 1 - A_kt/A_tb, uncapped, only where A_tb >= 1 step. The headline is "
+        "decided at train-batch's trainer-bound (fastest) Pareto point; the other points are context.",
         "Budgets are in batches of groups (groups dispatched and not yet consumed / prompts per batch); "
         "bounded_async uses AReaL's capacity rule with eta = budget - 1. A consumed group frees its budget place "
         "when its step ends (step_end, the real runtime's convention) or starts (step_start).",
         f"Time model: {cfg.system}; every point keeps the reference's rollout/trainer throughput ratio "
         "(knittrans.sim.sweep.SystemModel.scaled).",
         "", "### Headline: every matched train-batch Pareto point", "",
-        "| release | seed | train-batch budget | A train-batch | thr train-batch | A KnitTrans (interp.) | reduction |",
-        "|---|---|---|---|---|---|---|"]
+        "| in-flight | release | seed | train-batch budget | A train-batch | thr train-batch | A KnitTrans (interp.) "
+        "| reduction |",
+        "|---|---|---|---|---|---|---|---|"]
     for key, ms in sorted(matched_by_config(rows, HEADLINE_SCENARIO).items(), key=lambda kv: str(kv[0])):
         if key[5] != HEADLINE_SYNC:
             continue
         for m in ms:
             a = "n/a" if m.arch_knittrans is None else f"{m.arch_knittrans:.2f}"
-            lines.append(f"| {key[7]} | {key[8]} | {m.train_batch.budget:g} | {m.train_batch.arch_staleness:.2f} | "
-                         f"{m.train_batch.throughput:.3g} | {a} | {m.reduction:.3f} |")
+            r = "no match" if m.reduction is None else f"{m.reduction:.3f}"
+            mark = " (trainer-bound)" if m is trainer_bound(ms) else ""
+            lines.append(f"| {key[6]} | {key[7]} | {key[8]} | {m.train_batch.budget:g}{mark} | "
+                         f"{m.train_batch.arch_staleness:.2f} | {m.train_batch.throughput:.3g} | {a} | {r} |")
     sweep: dict[tuple, list[float]] = defaultdict(list)
     for key, ms in matched_by_config(rows, "sweep").items():
-        if (b := best(ms)) is not None:
+        if (b := trainer_bound(ms)) is not None and b.reduction is not None:
             sweep[(key[3], key[2], key[4], key[7])].append(b.reduction)
     if sweep:
         idle: dict[tuple, list[float]] = defaultdict(list)
         for r in rows:
             if isinstance(r, StalenessTrial) and r.scenario == "sweep" and r.ok and r.policy == "knittrans":
                 idle[(r.num_minibatches, r.group_size, r.tail, r.release)].append(r.trainer_idle)
-        lines += ["", "### Outer sweep: best matched reduction per config (median [min, max] over seeds)", "",
+        lines += ["", "### Outer sweep: reduction at the trainer-bound point per config (median [min, max] over "
+                  "seeds)", "",
                   "| M | n | tail | release | reduction | KnitTrans trainer idle (median) |",
                   "|---|---|---|---|---|---|"]
         for k, v in sorted(sweep.items()):
@@ -111,13 +117,16 @@ def plot_frontiers(rows: Sequence[StalenessTrial], scenario: str, path, title: s
     plt.close(fig)
 
 
-def plot_cdf(rows: Sequence[StalenessTrial], path, cdf_budget: float) -> str:
-    """Staleness CDFs at the throughput train-batch reaches with ``cdf_budget`` (first release convention)."""
+def plot_cdf(rows: Sequence[StalenessTrial], path, cdf_budget: float | None) -> str:
+    """Staleness CDFs at the throughput train-batch reaches with ``cdf_budget`` (None: at its fastest budget, the
+    trainer-bound point), first release convention."""
     pts = [r for r in rows if r.scenario == HEADLINE_SCENARIO and r.ok and r.hist and r.release == RELEASES[0]]
-    ref = [r for r in pts if r.policy == "train_batch" and r.budget == cdf_budget]
+    tb = [r for r in pts if r.policy == "train_batch"]
+    ref = tb if cdf_budget is None else [r for r in tb if r.budget == cdf_budget]
     if not ref:
         return "no train-batch point at the CDF budget"
-    target = ref[0].throughput_traj_s
+    fastest = max(ref, key=lambda r: r.throughput_traj_s)
+    target, cdf_budget = fastest.throughput_traj_s, fastest.budget
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
     chosen = []
@@ -167,7 +176,8 @@ def plot_timelines(timelines: Sequence[tuple[Any, Any]], path) -> None:
 
 
 def plot_all(res: Any, rows: Sequence[Any], timelines: Sequence[tuple[Any, Any]], cfg: Any) -> None:
-    st = [r for r in rows if isinstance(r, StalenessTrial)]
+    # the configured in-flight convention only: the headline's abort rows (dapo.abort) are a measurement beside it
+    st = [r for r in rows if isinstance(r, StalenessTrial) and r.inflight == cfg.system.inflight.value]
     if cfg.dapo.enabled:
         d = cfg.dapo
         plot_frontiers(st, "dapo", res.plot_path("frontier_dapo.png"),

@@ -174,6 +174,7 @@ def trial_row(cfg: TransferConfig, rec: PassRecord, memcpy: float, distinct_pixe
                   raw_s=raw_s, get_s=raw.mean_get_s if raw is not None else None, bytes_moved=last.bytes_moved,
                   gbps=last.bytes_moved / raw_s / 1e9 if raw_s else None, memcpy_gbps=memcpy,
                   measured_batches=len(st.exposed) if st is not None else 0,
+                  compute_s=cfg.compute_s_per_minibatch, num_minibatches=cfg.num_minibatches,
                   live_bytes_after=max((r.live_bytes_after for r in (st, raw) if r is not None
                                         and r.live_bytes_after is not None), default=None))
     common["get_gbps"] = raw.get_gbps if raw is not None and np.isfinite(raw.get_gbps) else None

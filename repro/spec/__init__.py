@@ -16,8 +16,8 @@ import pkgutil
 from pathlib import Path
 from typing import Sequence
 
-from repro.spec.core import (Bound, Claim, ClaimKind, Measured, Status, Trial, Verdict, median_range,
-                             not_measured, paired_mean_ci, trial)
+from repro.spec.core import (PAPER_CLAIMS, Bound, Claim, ClaimKind, Evidence, Measured, Status, Trial, Verdict,
+                             median_range, not_measured, paired_mean_ci, trial)
 
 _TABLE_MODULES = sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "core")
 
@@ -32,6 +32,11 @@ def claims(table: str | None = None) -> list[Claim]:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"claim names must be unique across the spec: {dup}")
+    if table is None:
+        decided = [c.paper_claim for c in out if c.paper_claim is not None]
+        if sorted(decided) != sorted(PAPER_CLAIMS):
+            raise ValueError(f"each paper claim {sorted(PAPER_CLAIMS)} needs exactly one deciding target; got "
+                             f"{sorted(decided)}")
     return out
 
 
@@ -61,5 +66,6 @@ def evaluate_dir(results_dir: str | Path) -> dict[str, list[Verdict]]:
     return {t: evaluate(t, logs[t].rows if t in logs else []) for t in tables()}
 
 
-__all__ = ["Bound", "Claim", "ClaimKind", "Measured", "Status", "Trial", "Verdict", "claims", "evaluate",
-           "evaluate_dir", "gate_modules", "median_range", "not_measured", "paired_mean_ci", "tables", "trial"]
+__all__ = ["PAPER_CLAIMS", "Bound", "Claim", "ClaimKind", "Evidence", "Measured", "Status", "Trial", "Verdict",
+           "claims", "evaluate", "evaluate_dir", "gate_modules", "median_range", "not_measured", "paired_mean_ci",
+           "tables", "trial"]

@@ -2,16 +2,19 @@
 
 Definitions (DESIGN.md, ``knittrans.staleness``): staleness ``s = v_train - v_gen`` in optimizer steps;
 architectural staleness ``A = mean s - (M-1)/2`` (the colocated reference's mean); policies are compared on the
-staleness-throughput frontier at matched operating points, never at one budget. The matching and the bounded
-reduction are library functions (``knittrans.staleness.matched_reductions``), called here on logged rows only.
+staleness-throughput frontier at matched operating points, never at one budget. The matching and the reduction
+are library functions (``knittrans.staleness.matched_reductions``, ``trainer_bound``), called here on logged rows.
 
-Headline (pre-registered): the DAPO-shaped config (512 prompts x 16 samples, M = 16, weights synced every step,
-in-flight requests continue). Per seed and per budget-release convention (``knittrans.sim.BudgetRelease``: the
-budget place of a consumed group is freed at the end of its step, as the real runtime does, or at its start),
-KnitTrans is matched against every train-batch Pareto point with ``A_tb >= 1`` step; the seed's value is the
-largest bounded reduction over those points (the paper's "up to"), and the claim takes, per seed, the *worse* of
-the two conventions, then the median over seeds. Each convention's value, the raw mean staleness of both arms and
-the outer sweep are measurements beside it.
+Headline (pre-registered, paper claim 1): the DAPO-shaped config (512 prompts x 16 samples, M = 16, weights synced
+every step, in-flight requests continue). Per seed and per budget-release convention (``knittrans.sim.BudgetRelease``:
+the budget place of a consumed group is freed at the end of its step, as the real runtime does, or at its start),
+KnitTrans is matched against train-batch's **trainer-bound** Pareto point (its fastest: where a disaggregated
+deployment runs train-batch admission, one-step-off or more in flight); the reduction ``1 - A_kt / A_tb`` is
+uncapped (KnitTrans below the colocated reference reads > 1). The claim takes, per seed, the *worse* of the two
+conventions, then the median over >= ``MIN_SEEDS`` seeds. Not the best of train-batch's points (the paper's "up to"
+read as a selection over the sweep would select the budgets where train-batch idles its trainer): every other
+Pareto point, each convention alone, ``inflight=abort``, the raw mean staleness of both arms and the outer sweep
+are measurements beside it.
 """
 
 from __future__ import annotations
@@ -21,12 +24,18 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from knittrans.staleness import MatchedPoint, OperatingPoint, matched_reductions
+import numpy as np
+
+from knittrans.staleness import MatchedPoint, OperatingPoint, matched_reductions, trainer_bound
 from repro.spec.core import Bound, Claim, ClaimKind, Measured, Trial, median_range, not_measured, trial
 
 TABLE = "staleness"
 HEADLINE_SCENARIO = "dapo"
 HEADLINE_SYNC = "every_step"
+HEADLINE_INFLIGHT = "continue"
+"""The headline's in-flight convention; rows with ``inflight=abort`` are a measurement beside it."""
+MIN_SEEDS = 5
+"""The headline is decided on at least this many seeds (fewer: not measured; the CI slice's one seed is the gate's)."""
 RELEASES = ("step_end", "step_start")
 KT, TB, GREEDY = "knittrans", "train_batch", "greedy"
 
@@ -124,72 +133,81 @@ def matched_by_config(rows: Sequence[Trial], scenario: str) -> dict[tuple, list[
     return out
 
 
-def best(matched: Sequence[MatchedPoint]) -> MatchedPoint | None:
-    """The matched point with the largest reduction (ties: the slowest train-batch point)."""
-    return max(matched, key=lambda m: (m.reduction, -m.train_batch.throughput), default=None)
-
-
-def headline(rows: Sequence[Trial], release: str) -> dict[int, MatchedPoint]:
-    """Per seed: the best matched point of the headline frontier under ``release``."""
+def headline(rows: Sequence[Trial], release: str, inflight: str = HEADLINE_INFLIGHT
+             ) -> dict[int, list[MatchedPoint]]:
+    """Per seed: every matched train-batch Pareto point of the headline frontier under ``release``."""
     out = {}
     for key, ms in matched_by_config(rows, HEADLINE_SCENARIO).items():
-        if key[5] == HEADLINE_SYNC and key[7] == release and (b := best(ms)) is not None:
-            out[key[8]] = b
+        if key[5] == HEADLINE_SYNC and key[6] == inflight and key[7] == release and ms:
+            out[key[8]] = ms
     return out
+
+
+def _value(m: MatchedPoint) -> float:
+    """A matched point's reduction for order statistics: -inf where KnitTrans never reaches the throughput."""
+    return -math.inf if m.reduction is None else m.reduction
 
 
 def _fmt(m: MatchedPoint) -> str:
     a = "n/a" if m.arch_knittrans is None else f"{m.arch_knittrans:.2f}"
+    r = "no match (KnitTrans never that fast)" if m.reduction is None else f"{m.reduction:.3f}"
     return (f"train-batch budget {m.train_batch.budget:g} (A={m.train_batch.arch_staleness:.2f}, "
-            f"{m.train_batch.throughput:.3g}/s) vs KnitTrans A={a} -> {m.reduction:.3f}")
+            f"{m.train_batch.throughput:.3g}/s) vs KnitTrans A={a} -> {r}")
 
 
-# -- claims ------------------------------------------------------------------------------------------------------
+def _summary(per_seed: dict[int, float], note: str) -> Measured:
+    """Median [min, max] over seeds of per-seed reductions that may be -inf (no match), which ``median_range``
+    would drop: an unmatched seed must count against the claim, not vanish from it."""
+    vals = sorted(per_seed.values())
+    if not vals:
+        return not_measured(note)
+    unmatched = sum(v == -math.inf for v in vals)
+    if unmatched:
+        note += f"; KnitTrans never reached train-batch's throughput in {unmatched} of {len(vals)} seeds (-inf)"
+    return Measured(float(np.median(vals)), vals[0], vals[-1], len(vals), "min-max", note, repeats=True)
 
 
-def reduction_worse_convention(rows: Sequence[Trial]) -> Measured:
-    per = {rel: headline(rows, rel) for rel in RELEASES}
-    seeds = sorted(set(per[RELEASES[0]]) & set(per[RELEASES[1]]))
-    if not seeds:
-        return not_measured("needs headline rows (dapo, every_step) of both arms under both release conventions")
-    vals = [min(per[rel][s].reduction for rel in RELEASES) for s in seeds]
-    med = {rel: median_range([per[rel][s].reduction for s in seeds]).value for rel in RELEASES}
-    inflight = sorted({r.inflight for r in _stale(rows) if r.scenario == HEADLINE_SCENARIO})
-    return median_range(vals, note=f"seeds {seeds}; median per convention: step_end {med['step_end']:.3f}, "
-                                   f"step_start {med['step_start']:.3f}; in-flight requests at a sync: "
-                                   f"{', '.join(inflight)}")
+def trainer_bound_reduction(releases: Sequence[str] = RELEASES, inflight: str = HEADLINE_INFLIGHT,
+                            min_seeds: int = 1) -> Callable[[Sequence[Trial]], Measured]:
+    """Per seed, the reduction at train-batch's trainer-bound Pareto point, the worse of ``releases``; median over
+    seeds (not measured with fewer than ``min_seeds`` seeds that ran every convention)."""
 
-
-def reduction_worst_point(rows: Sequence[Trial]) -> Measured:
-    """Per seed, the smallest bounded reduction over the headline's train-batch Pareto points, worse convention."""
-    per: dict[int, tuple[float, str]] = {}
-    for key, ms in matched_by_config(rows, HEADLINE_SCENARIO).items():
-        if key[5] == HEADLINE_SYNC and ms:
-            worst = min(ms, key=lambda m: m.reduction)
-            if worst.reduction < per.get(key[8], (math.inf, None))[0]:
-                per[key[8]] = (worst.reduction, f"{key[7]}: {_fmt(worst)}")
-    if not per:
-        return not_measured("no headline frontier with both arms")
-    s0 = min(per)
-    return median_range([v[0] for v in per.values()], note=f"seed {s0}, {per[s0][1]}")
-
-
-def reduction_for(release: str) -> Callable[[Sequence[Trial]], Measured]:
     def measure(rows: Sequence[Trial]) -> Measured:
-        h = headline(rows, release)
-        if not h:
-            return not_measured(f"no headline rows under release={release}")
-        seeds = sorted(h)
-        every = [m.reduction for key, ms in matched_by_config(rows, HEADLINE_SCENARIO).items()
-                 if key[5] == HEADLINE_SYNC and key[7] == release for m in ms]
-        return median_range([h[s].reduction for s in seeds], note=(
-            f"seed {seeds[0]}: {_fmt(h[seeds[0]])}; over every train-batch Pareto point and seed: "
-            f"[{min(every):.3f}, {max(every):.3f}]"))
+        per = {rel: {s: trainer_bound(ms) for s, ms in headline(rows, rel, inflight).items()} for rel in releases}
+        seeds = sorted(set.intersection(*(set(p) for p in per.values())))
+        if len(seeds) < max(1, min_seeds):
+            return not_measured(f"needs headline rows (dapo, {HEADLINE_SYNC}, inflight={inflight}) of both arms "
+                                f"under {', '.join(releases)} for >= {min_seeds} seeds; got {len(seeds)}")
+        worse = {s: min((per[rel][s] for rel in releases), key=_value) for s in seeds}
+        s0 = seeds[0]
+        conv = "; ".join(f"{rel} median {float(np.median([_value(per[rel][s]) for s in seeds])):.3f}"
+                         for rel in releases) if len(releases) > 1 else f"release {releases[0]}"
+        return _summary({s: _value(m) for s, m in worse.items()},
+                        f"seeds {seeds}; seed {s0}: {_fmt(worse[s0])}; {conv}; in-flight requests at a sync: "
+                        f"{inflight}")
     return measure
 
 
+def every_point_reduction(rows: Sequence[Trial]) -> Measured:
+    """Per train-batch budget on the headline's front: the worse convention per seed, median over seeds; the value
+    is the median over those points, [min, max] over them, and the note lists each."""
+    per: dict[float, dict[int, float]] = defaultdict(dict)
+    for rel in RELEASES:
+        for seed, ms in headline(rows, rel).items():
+            for m in ms:
+                b = m.train_batch.budget
+                per[b][seed] = min(per[b].get(seed, math.inf), _value(m))
+    if not per:
+        return not_measured("no headline frontier with both arms")
+    med = {b: float(np.median(list(v.values()))) for b, v in sorted(per.items())}
+    vals = sorted(med.values())
+    return Measured(float(np.median(vals)), vals[0], vals[-1], len(vals), "min-max over train-batch Pareto points",
+                    "per train-batch budget (batches in flight), median over seeds of the worse convention: "
+                    + ", ".join(f"{b:g}: {v:.3f}" for b, v in med.items()))
+
+
 def mean_staleness(arm: str) -> Callable[[Sequence[Trial]], Measured]:
-    """Raw mean staleness (steps) of one arm at each seed's headline matched point."""
+    """Raw mean staleness (steps) of one arm at each seed's trainer-bound matched point."""
 
     def measure(rows: Sequence[Trial]) -> Measured:
         coloc = [r.colocated_mean for r in _stale(rows) if r.scenario == HEADLINE_SCENARIO and r.ok
@@ -199,42 +217,43 @@ def mean_staleness(arm: str) -> Callable[[Sequence[Trial]], Measured]:
         c = coloc[0]
         vals = {}
         for rel in RELEASES:
-            h = headline(rows, rel)
-            a = [m.train_batch.arch_staleness if arm == TB else m.arch_knittrans for m in h.values()]
+            pts = [trainer_bound(ms) for ms in headline(rows, rel).values()]
+            a = [m.train_batch.arch_staleness if arm == TB else m.arch_knittrans for m in pts if m is not None]
             vals[rel] = [x + c for x in a if x is not None]
         if not vals["step_end"]:
             return not_measured("no matched headline point under release=step_end")
         other = median_range(vals["step_start"])
         return median_range(vals["step_end"], note=(
-            f"release at step end; at step start: {other.value if other.measured else float('nan'):.2f}; "
-            f"colocated reference (M-1)/2 = {c:.2f}"))
+            f"at train-batch's trainer-bound point, release at step end; at step start: "
+            f"{other.value if other.measured else float('nan'):.2f}; colocated reference (M-1)/2 = {c:.2f}"))
     return measure
 
 
 def sweep_reduction(rows: Sequence[Trial]) -> Measured:
+    """The headline's definition (trainer-bound point, worse convention) on every outer-sweep config."""
     per_cfg: dict[tuple, dict[int, float]] = defaultdict(dict)
     for key, ms in matched_by_config(rows, "sweep").items():
-        b = best(ms)
-        if b is not None:
+        m = trainer_bound(ms)
+        if m is not None:
             cfg, seed = key[:7], key[8]
-            per_cfg[cfg][seed] = min(per_cfg[cfg].get(seed, 1.0), b.reduction)  # the worse convention
+            per_cfg[cfg][seed] = min(per_cfg[cfg].get(seed, math.inf), _value(m))  # the worse convention
     if not per_cfg:
         return not_measured("no sweep frontier with both arms")
-    meds = {cfg: float(median_range(list(v.values())).value) for cfg, v in per_cfg.items()}
+    meds = {cfg: float(np.median(list(v.values()))) for cfg, v in per_cfg.items()}
     idle = [r.trainer_idle for r in _stale(rows) if r.scenario == "sweep" and r.policy == KT and r.ok]
     worst = min(meds, key=meds.get)
-    m = median_range(list(meds.values()), note=(
+    vals = sorted(meds.values())
+    return Measured(float(np.median(vals)), vals[0], vals[-1], len(vals), "min-max over configs", (
         f"{len(meds)} configs (M, n, tail), median over seeds of the worse convention; lowest: M={worst[3]} "
         f"n={worst[2]} {worst[4]}: {meds[worst]:.3f}; KnitTrans trainer idle median "
         f"{median_range(idle).value:.2f}"))
-    return Measured(m.value, m.low, m.high, m.n, "min-max over configs", m.note)
 
 
 def throughput_ratio(rows: Sequence[Trial]) -> Measured:
     thr: dict[tuple, dict[str, float]] = defaultdict(dict)
     for r in _stale(rows):
-        if (r.scenario == HEADLINE_SCENARIO and r.sync == HEADLINE_SYNC and r.ok and r.policy in (KT, TB)
-                and r.throughput_traj_s):
+        if (r.scenario == HEADLINE_SCENARIO and r.sync == HEADLINE_SYNC and r.inflight == HEADLINE_INFLIGHT and r.ok
+                and r.policy in (KT, TB) and r.throughput_traj_s):
             thr[(r.seed, r.release, r.budget)][r.policy] = r.throughput_traj_s
     per_seed: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for (seed, rel, b), v in thr.items():
@@ -292,37 +311,52 @@ def littles_law_error(rows: Sequence[Trial]) -> Measured:
                     f"worst: {w.setting} ({w.release}, parameter {w.parameter:g}): {what}")
 
 
-_MATCH = ("each train-batch Pareto point against KnitTrans's Pareto front at equal or higher throughput "
-          "(interpolated between neighbouring budgets); same workload, seed, batch shape, sync and time model")
+_MATCH = ("train-batch's trainer-bound (fastest) Pareto point against KnitTrans's Pareto front at equal or higher "
+          "throughput (interpolated between neighbouring budgets; within 1% counts as equal: both saturate the "
+          "trainer); same workload, seed, batch shape, sync and time model")
+_REDUCTION = ("1 - A_kt / A_tb, uncapped (> 1: KnitTrans below the colocated reference; < 0: staler than "
+              "train-batch), A = mean staleness - (M-1)/2, at train-batch's trainer-bound Pareto point (its "
+              "fastest: where a disaggregated deployment runs it, one-step-off or more in flight), KnitTrans's A "
+              "read off its own front at that throughput (a seed where it never gets that fast counts -inf)")
 
 CLAIMS: tuple[Claim, ...] = (
     Claim("arch_staleness_reduction", TABLE, ClaimKind.TARGET, paper="up to 0.93", unit="fraction",
-          definition="bounded reduction clip(1 - max(A_kt, 0)/A_tb, -1, 1) in [-1, 1] (train-batch points with "
-                     "A_tb >= 1 step; -1 if KnitTrans cannot match the throughput); headline DAPO shape, sync "
-                     "every step; per seed the largest over train-batch Pareto points, the worse of the two "
-                     "budget-release conventions; median over seeds. The CI slice: the same shape time-scaled to "
-                     "64 prompts, one seed",
-          measure=reduction_worse_convention, bound=Bound(">=", 0.90), gate=Bound(">=", 0.90), comparison=_MATCH),
+          definition=f"{_REDUCTION}; headline DAPO shape (512 x 16, M=16), sync every step, in-flight requests "
+                     f"continue; per seed the worse of the two budget-release conventions; median over >= "
+                     f"{MIN_SEEDS} seeds. Gate: the same definition on the CI slice (the same shape time-scaled to "
+                     "64 prompts, one seed; deterministic), bound 0.4: 0.507 on this code, and 0.0 when KnitTrans "
+                     "admits whole batches whenever a batch or more may be in flight, while the low-budget points, "
+                     "which the old best-point definition took, still read 1.22",
+          measure=trainer_bound_reduction(min_seeds=MIN_SEEDS), bound=Bound(">=", 0.90), gate=Bound(">=", 0.4),
+          gate_measure=trainer_bound_reduction(), comparison=_MATCH, paper_claim=1),
     Claim("arch_staleness_reduction_release_end", TABLE, ClaimKind.MEASUREMENT, paper="up to 0.93",
-          unit="fraction", definition="the headline with budget released at step end only (the runtime's "
-          "convention); 1.0 whenever KnitTrans runs at or below the colocated reference",
-          measure=reduction_for("step_end"), comparison=_MATCH),
+          unit="fraction", definition=f"the headline with budget released at step end only (the runtime's "
+          f"convention): {_REDUCTION}; median over seeds",
+          measure=trainer_bound_reduction(("step_end",)), comparison=_MATCH),
     Claim("arch_staleness_reduction_release_start", TABLE, ClaimKind.MEASUREMENT, paper="up to 0.93",
-          unit="fraction", definition="the headline with budget released at step start only",
-          measure=reduction_for("step_start"), comparison=_MATCH),
-    Claim("arch_staleness_reduction_worst_point", TABLE, ClaimKind.MEASUREMENT, paper="up to 0.93",
-          unit="fraction", definition="the headline's bounded reduction at its least favourable train-batch Pareto "
-          "point (the smallest over points, worse convention), median over seeds: what 'up to' leaves out",
-          measure=reduction_worst_point, comparison=_MATCH),
+          unit="fraction", definition="the headline with budget released at step start only; median over seeds",
+          measure=trainer_bound_reduction(("step_start",)), comparison=_MATCH),
+    Claim("arch_staleness_reduction_every_point", TABLE, ClaimKind.MEASUREMENT, paper="up to 0.93",
+          unit="fraction", definition="the headline's reduction (uncapped, worse convention, median over seeds) at "
+          "every train-batch Pareto point with A_tb >= 1 step, not only the trainer-bound one; value: the median "
+          "over points, [min, max] over points, each point in the note. The low budgets (1-1.5 batches) are "
+          "where train-batch leaves its trainer idle: a deployment does not run there",
+          measure=every_point_reduction, comparison=_MATCH.replace("train-batch's trainer-bound (fastest) Pareto "
+                                                                   "point", "each train-batch Pareto point")),
+    Claim("arch_staleness_reduction_abort", TABLE, ClaimKind.MEASUREMENT, paper="up to 0.93", unit="fraction",
+          definition="the headline's definition with in-flight requests aborted at each sync (system.inflight="
+                     "abort): they restart with the new weights, their tokens wasted",
+          measure=trainer_bound_reduction(inflight="abort"), comparison=_MATCH),
     Claim("mean_staleness_train_batch", TABLE, ClaimKind.MEASUREMENT, paper="n/a", unit="steps",
-          definition="raw mean staleness of train-batch admission at each seed's headline point (>= 0)",
+          definition="raw mean staleness of train-batch admission at each seed's trainer-bound point (>= 0)",
           measure=mean_staleness(TB), comparison=_MATCH),
     Claim("mean_staleness_knittrans", TABLE, ClaimKind.MEASUREMENT, paper="n/a", unit="steps",
-          definition="raw mean staleness of KnitTrans at each seed's headline point, interpolated (>= 0)",
-          measure=mean_staleness(KT), comparison=_MATCH),
+          definition="raw mean staleness of KnitTrans matched at each seed's trainer-bound point, interpolated "
+                     "(>= 0)", measure=mean_staleness(KT), comparison=_MATCH),
     Claim("arch_staleness_reduction_sweep", TABLE, ClaimKind.MEASUREMENT, paper="up to 0.93", unit="fraction",
-          definition="the headline's bounded reduction on every outer-sweep config (M, n, tail; time-scaled so "
-                     "every config keeps the reference's rollout/trainer throughput ratio); median over configs",
+          definition="the headline's definition (trainer-bound point, uncapped, worse convention) on every "
+                     "outer-sweep config (M, n, tail; time-scaled so every config keeps the reference's "
+                     "rollout/trainer throughput ratio); median over configs",
           measure=sweep_reduction, comparison=_MATCH),
     Claim("throughput_ratio", TABLE, ClaimKind.TARGET, paper=">= 1", unit="x",
           definition="KnitTrans / train-batch throughput at the same in-flight budget (>= 0), headline config, the "

@@ -53,6 +53,11 @@ class TransferTrialBase(Trial):
     measured_batches: int
     live_bytes_after: int | None
     """KnitTrans: bytes its units still held after the pass (every drop confirmed); None for other systems."""
+    compute_s: float | None = dataclasses.field(default=None, kw_only=True)
+    """The emulated compute of one mini-batch share on one rank that the steady pass calibrates to (seconds): the
+    step the exposed latency is a fraction of. None for rows written before this column."""
+    num_minibatches: int | None = dataclasses.field(default=None, kw_only=True)
+    """M: steps per batch (the exposed latency per batch is summed over them)."""
 
 
 @trial("transfer-text")
@@ -238,6 +243,30 @@ def tq_get_ratio(system: str) -> Callable[[Sequence[Trial]], Measured]:
 get_latency_ratio = tq_get_ratio("knittrans-ray")
 
 
+def exposed_ms(system: str) -> Callable[[Sequence[Trial]], Measured]:
+    """``system``'s exposed transfer latency per batch in ms, median over passes, [min, max]."""
+
+    def measure(rows: Sequence[Trial]) -> Measured:
+        vals = [r.exposed_s * 1e3 for r in rows if getattr(r, "system", None) == system  # type: ignore[attr-defined]
+                and _num(getattr(r, "exposed_s", None)) is not None]
+        return median_range(vals, f"{system}, summed over a batch's M mini-batches")
+    return measure
+
+
+def exposed_fraction(system: str) -> Callable[[Sequence[Trial]], Measured]:
+    """``system``'s exposed latency per batch over the batch's emulated training (M x one step), per pass."""
+
+    def measure(rows: Sequence[Trial]) -> Measured:
+        mine = [r for r in rows if getattr(r, "system", None) == system and _num(getattr(r, "exposed_s", None))
+                is not None and getattr(r, "compute_s", None) and getattr(r, "num_minibatches", None)]
+        if not mine:
+            return not_measured(f"no steady pass of {system} logged its step (compute_s, num_minibatches)")
+        r0 = mine[0]
+        return median_range([r.exposed_s / (r.num_minibatches * r.compute_s) for r in mine],  # type: ignore
+                            f"{system}: exposed per batch / (M={r0.num_minibatches} x {r0.compute_s:g} s emulated "
+                            "step)")
+    return measure
+
 
 # -- claims ----------------------------------------------------------------------------------------------------
 
@@ -361,7 +390,8 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("ray_raw_fraction_of_memcpy", T, ClaimKind.MEASUREMENT, "(context)", "x memcpy",
           RAW_FRACTION.format(system="knittrans-ray"), memcpy_fraction("knittrans-ray", "gbps")),
     Claim("mm_transfer_latency_ratio", MM, ClaimKind.TARGET, "~100x (two orders of magnitude)", "x",
-          RAW.format(num="centralized", den="knittrans-ray") + "; median over K passes, [min, max]; pre-registered "
+          RAW.format(num="centralized", den="knittrans-ray") + "; median over K passes, [min, max]; paper claim 3 "
+          "is decided here, on raw transfer latency (DESIGN.md) and nothing else; pre-registered "
           "bound 50 (two orders of magnitude with a 2x margin). Gate bound 1 at CI size (16 x n=16, 336px, M=2, "
           "K=5 passes, the median of 3 raw passes per pass): on one machine every hop is a memcpy and KnitTrans "
           "pays a few round trips per mini-batch, so the ratio is 1.56-1.75 (3-pass medians, 2-core machine); reads "
@@ -369,13 +399,26 @@ CLAIMS: tuple[Claim, ...] = (
           "raw pass varies 0.2-0.6 s for the same 0.59 GB), so that regression is the bytes gate's to catch; at "
           "224px dedup on and off overlapped outright (docs/experiments.md, session 22)",
           ratio("centralized", "knittrans-ray", "raw_s"), bound=Bound(">=", 50.0), gate=Bound(">=", 1.0),
-          comparison=SAME_LAYOUT),
-    Claim("mm_exposed_latency_ratio", MM, ClaimKind.TARGET, "~100x (two orders of magnitude)", "x",
-          EXPOSED.format(num="centralized (build-ahead)", den="knittrans-ray (prefetch)") + "; pre-registered bound "
-          "50. Gate: the same bound at CI size (batch b+1 complete two steps before b ends); the same handoff "
-          "without prefetch gives ~10-30 there (it still moves 1/n of the bytes)",
-          ratio("centralized", "knittrans-ray", "exposed_s"), bound=Bound(">=", 50.0), gate=Bound(">=", 50.0),
-          comparison=SAME_LAYOUT),
+          comparison=SAME_LAYOUT, paper_claim=3),
+    Claim("mm_exposed_latency_ratio", MM, ClaimKind.MEASUREMENT, "(context: claim 3 is decided on raw transfer)",
+          "x", EXPOSED.format(num="centralized (build-ahead)", den="knittrans-ray (prefetch)") + ". Not the paper's "
+          "claim: its denominator is KnitTrans's hand-over once prefetch has hidden the transfer behind the "
+          "emulated step (~0.3 ms), so any system that hides its transfer passes any bound; what KnitTrans exposes "
+          "is reported in ms and as a fraction of the step below. Gate (a regression guard for prefetch, not a "
+          "verdict): bound 50 at CI size (batch b+1 complete two steps before b ends); the same handoff without "
+          "prefetch gives ~10-30 there (it still moves 1/n of the bytes)",
+          ratio("centralized", "knittrans-ray", "exposed_s"), gate=Bound(">=", 50.0), comparison=SAME_LAYOUT),
+    Claim("mm_exposed_latency_ms", MM, ClaimKind.MEASUREMENT, "(context)", "ms",
+          "knittrans-ray's exposed transfer latency per batch (steady state: the slowest rank's wait for data after "
+          "it was ready to compute, summed over the batch's M mini-batches), median over K passes, [min, max]",
+          exposed_ms("knittrans-ray"), comparison=SAME_LAYOUT),
+    Claim("mm_exposed_fraction_of_step", MM, ClaimKind.MEASUREMENT, "(context)", "fraction",
+          "knittrans-ray's exposed transfer latency per batch / the batch's emulated training (M x the calibrated "
+          "step of one mini-batch share), per pass; median over K passes, [min, max]; range [0, inf)",
+          exposed_fraction("knittrans-ray"), comparison=SAME_LAYOUT),
+    Claim("mm_exposed_fraction_of_step_centralized", MM, ClaimKind.MEASUREMENT, "(context)", "fraction",
+          "the same fraction for centralized (build-ahead): what the baseline's transfer adds to its training",
+          exposed_fraction("centralized"), comparison=SAME_LAYOUT),
     Claim("mm_bytes_ratio", MM, ClaimKind.TARGET, "n (each distinct image moved once instead of once per sample)",
           "x n", "pixel_values bytes delivered to the ranks per batch, centralized / knittrans-ray, divided by the "
           "group size n; exactly 1 when the plane moves each distinct image once per share (deterministic; the "

@@ -40,7 +40,9 @@ def test_staleness_table_writes_the_results_contract(tmp_path, capsys):
     assert claims["knittrans_violations"]["measured"] == 0
     assert all(c["holds"] is None for c in claims.values() if c["kind"] == "measurement")
     r = claims["arch_staleness_reduction"]
-    assert r["measured"] is not None and -1.0 <= r["low"] <= r["measured"] <= r["high"] <= 1.0 and r["n"] == 2
+    assert r["measured"] is None and ">= 5 seeds" in r["note"]  # the headline needs 5 seeds; this run has 2
+    r = claims["arch_staleness_reduction_release_end"]  # the same definition per convention: measured, uncapped
+    assert r["measured"] is not None and r["low"] <= r["measured"] <= r["high"] and r["n"] == 2
 
     # the log alone reproduces the verdicts, and it holds every point that was run
     log = read_trials(out / "trials.jsonl")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import gzip
 import json
+from pathlib import Path
 
 import torch
 
@@ -70,3 +71,25 @@ def test_a_batch_smaller_than_its_mini_batch_count_is_refused_not_looped_forever
 
     with pytest.raises(ValueError, match="positive multiple of num_minibatches=16"):
         candidates(QualityConfig(prompts_per_batch=8, num_minibatches=16))
+
+
+def test_the_long_profile_writes_its_own_table_whose_target_decides_paper_claim_2(tmp_path):
+    """``table="quality-long"`` (``python -m repro.quality_long``) runs the same runtime into the long profile's rows;
+    the pre-registered config composes with the deciding size."""
+    from hydra import compose, initialize_config_dir
+
+    from repro.spec.quality import LongQualityRun
+
+    cfg = QualityConfig(table="quality-long", seeds=[0, 1], num_batches=2, prompts_per_batch=4, group_size=2,
+                        num_minibatches=2, warm_steps=5, eval_every=2, heldout=16, wave_groups=1, knittrans_budget=2,
+                        out_dir=str(tmp_path / "quality-long"))
+    summary = run_table(cfg).write(config=cfg, seed=0)
+    rows = read_trials(tmp_path / "quality-long" / "trials.jsonl").rows
+    assert rows and all(isinstance(r, LongQualityRun) for r in rows)
+    names = {c["name"]: c for c in summary["claims"]}
+    assert names["quality_gap_narrowed"]["kind"] == "target" and names["quality_gap_narrowed"]["paper_claim"] == 2
+    conf = str(Path(__file__).resolve().parents[2] / "repro" / "conf")
+    with initialize_config_dir(config_dir=conf, version_base=None):
+        long = compose(config_name="quality_long")
+    assert (long.table, list(long.seeds), long.num_batches * long.num_minibatches) == ("quality-long", list(range(8)),
+                                                                                      480)

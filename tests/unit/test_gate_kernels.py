@@ -25,7 +25,7 @@ DEVICE = resolve_device("auto")
 
 def gate_verdict(name: str, rows) -> Status:
     c = CLAIMS[name]
-    return c.evaluate(rows, bound=c.gate).status
+    return c.evaluate(rows, gate=True).status
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +179,10 @@ def _timed(op: KernelOp, fractions, device="cpu", outputs="", nbytes=1000, spec=
 
 def test_pack_claim_is_decided_on_the_median_pass_at_the_largest_size():
     c = CLAIMS["pack_fraction_of_memcpy"]
-    assert c.evaluate(_timed(KernelOp.PACK, [0.4, 0.55, 0.6], outputs="reused")).status is Status.HOLDS
-    assert c.evaluate(_timed(KernelOp.PACK, [0.3, 0.45, 0.9], outputs="reused")).status is Status.FAILS  # not best
+    assert c.evaluate(_timed(KernelOp.PACK, [0.52, 0.55, 0.6], outputs="reused")).status is Status.HOLDS
+    assert c.evaluate(_timed(KernelOp.PACK, [0.3, 0.45, 0.48], outputs="reused")).status is Status.FAILS
+    # the best pass never decides: passes on both sides of the bound are unstable, never "holds"
+    assert c.evaluate(_timed(KernelOp.PACK, [0.3, 0.45, 0.9], outputs="reused")).status is Status.UNSTABLE
     small_fast = _timed(KernelOp.PACK, [0.9, 0.9, 0.9], outputs="reused", nbytes=10)
     assert c.evaluate(small_fast + _timed(KernelOp.PACK, [0.3, 0.3, 0.3], outputs="reused")).status is Status.FAILS
     assert c.evaluate(_timed(KernelOp.PACK, [0.9, 0.9, 0.9], outputs="fresh")).status is Status.NOT_MEASURED

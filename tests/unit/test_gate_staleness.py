@@ -1,6 +1,8 @@
 """The staleness gate (``repro.gates`` over ``repro.staleness.gate_trials``) holds on this code and fails, claim by
 claim, when a regression is injected into product code (the admission policies, the simulator)."""
 
+import types
+
 import pytest
 
 import baselines.admission
@@ -8,8 +10,10 @@ import knittrans.admission.minibatch as minibatch
 from baselines.admission import TrainBatchAdmission
 from knittrans.admission.feasibility import Solution, Verdict
 from knittrans.admission.minibatch import KnitTransAdmission
+from knittrans.sim.config import FlowKind
 from knittrans.sim.simulator import Simulator
 from repro.gates import evaluate_gate, run_gate
+from repro.spec import evaluate
 from repro.spec.core import Status
 from repro.staleness import gate_trials
 
@@ -32,6 +36,29 @@ def test_knittrans_waiting_for_the_whole_batch_fails_the_reduction(monkeypatch):
     monkeypatch.setattr(KnitTransAdmission, "on_trainer_ready", TrainBatchAdmission.on_trainer_ready)
     v = _gate()["arch_staleness_reduction"]
     assert v.status is Status.FAILS and v.measured.value < 0.1
+
+
+def test_whole_batch_admission_at_budgets_of_a_batch_or_more_fails_the_reduction(monkeypatch):
+    """A regression that touches only the trainer-bound points: whenever the in-flight budget reaches one batch,
+    KnitTrans admits whole batches (train-batch's behaviour); below one batch it stays mini-batch admission. The
+    low-budget points, which the old best-of-points definition took (1.0 after its clamp), are untouched; the gate,
+    decided at train-batch's trainer-bound point, must fail, and no other staleness gate notices."""
+    original = Simulator.__init__
+
+    def whole_batches_from_one_batch_up(self, cfg, policy, batches):
+        original(self, cfg, policy, batches)
+        if (isinstance(policy, KnitTransAdmission) and cfg.flow.kind is FlowKind.GROUPS
+                and cfg.flow.budget_groups >= len(self.batches[0].plan.groups)):
+            policy.on_trainer_ready = types.MethodType(TrainBatchAdmission.on_trainer_ready, policy)
+
+    monkeypatch.setattr(Simulator, "__init__", whole_batches_from_one_batch_up)
+    rows = gate_trials()
+    gate = {v.claim.name: v for v in evaluate_gate("staleness", rows)}
+    assert gate["arch_staleness_reduction"].status is Status.FAILS
+    assert gate["arch_staleness_reduction"].measured.value < 0.1
+    assert all(v.status is Status.HOLDS for name, v in gate.items() if name != "arch_staleness_reduction")
+    every = {v.claim.name: v for v in evaluate("staleness", rows)}["arch_staleness_reduction_every_point"]
+    assert every.measured.high > 1.0  # the best point still reads as if nothing had happened
 
 
 def test_a_missed_wakeup_in_knittrans_fails_the_throughput_ratio(monkeypatch):

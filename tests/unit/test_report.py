@@ -1,4 +1,5 @@
-"""The report and the README's results table come from trial logs through the spec, and count only targets."""
+"""The report and the README's results table come from trial logs through the spec: the paper's claims first (one
+verdict each), our goals, the MODELLED and SIMULATED claims and the measurements apart, each counted apart."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 import repro.spec as spec
 from repro.report import README_BEGIN, README_END, main, results_table, update_readme, write_report
-from repro.spec.core import Bound, Claim, ClaimKind, Trial, median_range, trial
+from repro.spec.core import PAPER_CLAIMS, Bound, Claim, ClaimKind, Evidence, Trial, median_range, trial
 from repro.trials import write_trials
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,6 +23,11 @@ class ReportTrial(Trial):
 
 
 CLAIMS = [
+    Claim("demo_paper", "report-demo", ClaimKind.TARGET, "~100", "x", "baseline / ours, raw",
+          lambda rows: median_range([r.ratio for r in rows]), bound=Bound(">=", 5.0), paper_claim=3),
+    Claim("demo_modelled", "report-demo", ClaimKind.TARGET, "~100", "x", "projected",
+          lambda rows: median_range([r.ratio * 10 for r in rows]), bound=Bound(">=", 50.0),
+          evidence=Evidence.MODELLED),
     Claim("demo_target", "report-demo", ClaimKind.TARGET, "~100", "x", "baseline / ours, same transport",
           lambda rows: median_range([r.ratio for r in rows]), bound=Bound(">=", 10.0)),
     Claim("demo_info", "report-demo", ClaimKind.MEASUREMENT, "(ours)", "x", "context | with a pipe",
@@ -36,12 +42,16 @@ def demo_spec(monkeypatch):
     monkeypatch.setattr(spec, "claims", lambda table=None: [c for c in CLAIMS if table in (None, c.table)])
 
 
-def test_report_counts_only_target_claims_and_lists_tables_not_run(tmp_path, demo_spec):
-    write_trials(tmp_path / "report-demo", "report-demo", [ReportTrial(0, 12.0), ReportTrial(1, 8.0),
+def test_report_counts_each_part_apart_and_lists_tables_not_run(tmp_path, demo_spec):
+    write_trials(tmp_path / "report-demo", "report-demo", [ReportTrial(0, 12.0), ReportTrial(1, 11.0),
                                                            ReportTrial(2, 30.0)])
     text = write_report(tmp_path).read_text()
-    assert "1 of 2 target claims hold (1 measured, 1 not measured)" in text
-    assert "| report-demo | `demo_target` | ~100 | >= 10 | 12 [8, 30] x | 3 | holds |" in text
+    assert ("Paper claims, measured on CPU: 1 of 1 reproduced. Our own goals: 1 of 2 hold (1 not measured). "
+            "MODELLED and SIMULATED targets, counted apart: 1 of 1 hold.") in text
+    assert f"| 3 | {PAPER_CLAIMS[3]} | report-demo | `demo_paper` (x) | ~100 | >= 5 | 12 [11, 30] | 3 | reproduced |" \
+        in text
+    assert "| report-demo | `demo_target` | ~100 | >= 10 | 12 [11, 30] x | 3 | holds |" in text
+    assert "| report-demo | `demo_modelled` (MODELLED) | ~100 | >= 50 | 120 [110, 300] x | 3 | holds |" in text
     assert "| report-missing | `never_run` | 0.93 | >= 0.9 | not measured fraction |  | not measured |" in text
     assert "context \\| with a pipe" in text  # a pipe in a definition cannot break the table
     info = [line for line in text.splitlines() if "`demo_info`" in line]
@@ -49,9 +59,15 @@ def test_report_counts_only_target_claims_and_lists_tables_not_run(tmp_path, dem
 
 
 def test_the_verdict_follows_the_logged_rows(tmp_path, demo_spec):
+    write_trials(tmp_path / "report-demo", "report-demo", [ReportTrial(0, 9.0), ReportTrial(1, 9.8),
+                                                           ReportTrial(2, 9.5)])
+    text = write_report(tmp_path).read_text()
+    assert "| 9.5 [9, 9.8] x | 3 | **does not hold** |" in text
     write_trials(tmp_path / "report-demo", "report-demo", [ReportTrial(0, 9.0), ReportTrial(1, 11.0),
                                                            ReportTrial(2, 9.5)])
-    assert "| 9.5 [9, 11] x | 3 | **does not hold** |" in write_report(tmp_path).read_text()
+    text = write_report(tmp_path).read_text()
+    assert "| 9.5 [9, 11] x | 3 | unstable |" in text  # the passes straddle 10: never "holds"
+    assert "Our own goals: 0 of 2 hold (1 unstable, 1 not measured)" in text
 
 
 def test_report_without_results_says_what_to_run(tmp_path):
@@ -83,6 +99,19 @@ def test_the_readme_results_table_is_the_spec_over_the_committed_trial_logs():
     snap = ROOT / "docs" / "results"
     assert block == "\n" + results_table(evaluate_dir(snap), repro_times(snap)), (
         "README results are stale: run `python -m repro.report --readme README.md --results docs/results`")
+
+
+def test_the_readmes_first_results_table_lists_exactly_the_four_paper_claims():
+    """Acceptance of issue 26: one row per paper claim, each with one verdict and its metric."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split(README_BEGIN, 1)[1].split(README_END, 1)[0]
+    first = block.split("\n\n| ", 1)[1].split("\n\n", 1)[0].splitlines()[2:]  # after the header and rule
+    assert [line.split(" | ")[0].lstrip("| ") for line in first] == [str(k) for k in sorted(PAPER_CLAIMS)]
+    decided = {c.paper_claim: c.name for c in spec.claims() if c.paper_claim is not None}
+    for k, line in zip(sorted(PAPER_CLAIMS), first):
+        assert f"`{decided[k]}`" in line
+        assert any(w in line for w in ("| reproduced |", "| **not reproduced** |", "| unstable |",
+                                       "| not measured |"))
 
 
 def test_the_run_time_comes_from_make_repros_log_and_travels_with_the_snapshot(tmp_path, demo_spec):

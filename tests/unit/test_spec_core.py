@@ -31,8 +31,34 @@ def rows(*ratios: float) -> list[SelfTestTrial]:
 
 
 def test_target_verdict_is_decided_on_the_median_and_flips_with_the_rows():
-    assert TARGET.evaluate(rows(1.0, 2.5, 3.0)).status is Status.HOLDS
-    assert TARGET.evaluate(rows(1.0, 1.5, 3.0)).status is Status.FAILS  # the best pass (3.0) never decides
+    assert TARGET.evaluate(rows(2.2, 2.5, 3.0)).status is Status.HOLDS
+    assert TARGET.evaluate(rows(1.0, 1.5, 1.8)).status is Status.FAILS
+
+
+def test_a_target_whose_repeats_straddle_its_bound_is_unstable_never_holds():
+    """Item 2 of issue 26: the passes disagree about the bound, so the verdict would flip with the run."""
+    for ratios in ((1.0, 2.5, 3.0), (1.0, 1.5, 3.0)):  # median holding or failing: neither is reported
+        v = TARGET.evaluate(rows(*ratios))
+        assert v.status is Status.UNSTABLE and v.as_dict()["holds"] is None
+    # the gate decides on the value alone (its bounds carry their own margins)
+    gated = dataclasses.replace(TARGET, gate=Bound(">=", 2.0))
+    assert gated.evaluate(rows(1.0, 2.5, 3.0), gate=True).status is Status.HOLDS
+    # an interval's end or a worst case is not a median of repeats: not judged so
+    worst = dataclasses.replace(TARGET, measure=lambda rs: dataclasses.replace(
+        median_range([r.ratio for r in rs]), repeats=False))
+    assert worst.evaluate(rows(1.0, 2.5, 3.0)).status is Status.HOLDS
+
+
+def test_a_paper_claim_is_decided_by_one_measured_target():
+    from repro.spec.core import PAPER_CLAIMS, Evidence
+
+    with pytest.raises(ValueError, match="MEASURED target only"):
+        dataclasses.replace(TARGET, paper_claim=2, evidence=Evidence.SIMULATED)
+    with pytest.raises(ValueError, match="MEASURED target only"):
+        dataclasses.replace(INFO, paper_claim=2)
+    decided = {c.paper_claim: c for c in claims() if c.paper_claim is not None}
+    assert sorted(decided) == sorted(PAPER_CLAIMS)  # each of the four, exactly once (claims() checks duplicates)
+    assert all(c.evidence is Evidence.MEASURED and c.kind is ClaimKind.TARGET for c in decided.values())
 
 
 def test_measurement_carries_no_verdict_and_a_target_without_rows_is_not_measured():

@@ -9,7 +9,7 @@ import pytest
 
 from repro.spec import evaluate
 from repro.spec.core import Status
-from repro.spec.quality import ARMS, QualityRun, ThroughputProbe, matched_budget
+from repro.spec.quality import ARMS, LongQualityRun, QualityRun, ThroughputProbe, matched_budget
 from repro.spec.quality_replay import ReplayProbe, ReplayRun
 from repro.spec.simcheck import FLOW_DETERMINED_SPREAD, SimCheckRun
 
@@ -29,8 +29,13 @@ def quality_rows(colo=0.50, tb=0.40, kt=0.48, kt_same=0.41, kt_rate=1.1) -> list
             for s in SEEDS for i, a in enumerate(ARMS)]
 
 
+def long_rows(colo=0.50, tb=0.40, kt=0.48, kt_same=0.41, kt_rate=1.1) -> list[LongQualityRun]:
+    """The same runs as the long profile (table quality-long, where paper claim 2 is decided) logs them."""
+    return [LongQualityRun(**r.as_dict()) for r in quality_rows(colo, tb, kt, kt_same, kt_rate)]
+
+
 def replay_rows(colo=0.50, tb=0.40, kt=0.48, kt_same=0.41, kt_rate=1.1) -> list[ReplayRun]:
-    """The same arms as ``quality_rows``, as the replay table logs them (where the target claim is decided)."""
+    """The same arms as ``quality_rows``, as the SIMULATED replay table logs them."""
     return [ReplayRun(seed=r.seed, arm=r.arm, budget_groups=r.budget_groups, order=0, steps=r.steps, auc=r.auc,
                       final_acc=r.final_acc, init_acc=r.init_acc, staleness_mean=r.staleness_mean,
                       staleness_max=r.staleness_max, clip_frac=r.clip_frac, mean_reward=r.mean_reward,
@@ -43,28 +48,43 @@ def verdict(table: str, rows, name: str):
     return v
 
 
-R = "quality-replay"
+R, LONG = "quality-replay", "quality-long"
 
 
 def test_gap_narrowed_holds_when_knittrans_beats_train_batch_and_fails_when_it_does_not():
-    v = verdict(R, replay_rows(), "quality_gap_narrowed")
-    assert v.status is Status.HOLDS and v.measured.n == 5 and v.measured.low > 0 and "lr [0.02]" in v.measured.note
-    assert verdict(R, replay_rows(kt=0.39), "quality_gap_narrowed").status is Status.FAILS
+    v = verdict(LONG, long_rows(), "quality_gap_narrowed")
+    assert v.status is Status.HOLDS and v.measured.n == 5 and v.measured.low > 0
+    assert verdict(LONG, long_rows(kt=0.39), "quality_gap_narrowed").status is Status.FAILS
     # a difference whose interval straddles 0 does not hold: the claim is decided on the interval's lower end
-    assert verdict(R, replay_rows(kt=0.402), "quality_gap_narrowed").status is Status.FAILS
+    assert verdict(LONG, long_rows(kt=0.402), "quality_gap_narrowed").status is Status.FAILS
 
 
-def test_the_runtime_rows_carry_the_same_definition_as_a_measurement():
+def test_claim_2_is_never_decided_from_simulated_rows():
+    """Acceptance (b) of issue 26: the replay's rows, however favourable, never give paper claim 2 a verdict, and
+    the replay's own version of the definition is a SIMULATED measurement."""
+    from repro.spec import claims
+    from repro.spec.core import Evidence
+
+    (target,) = [c for c in claims() if c.paper_claim == 2]
+    assert target.table == LONG and target.evidence is Evidence.MEASURED
+    assert verdict(LONG, replay_rows(), "quality_gap_narrowed").status is Status.NOT_MEASURED
+    simulated = verdict(R, replay_rows(), "replay_gap_narrowed")
+    assert simulated.status is Status.INFO and simulated.measured.low > 0 and "lr [0.02]" in simulated.measured.note
+    assert all(c.evidence is Evidence.SIMULATED and c.kind.value == "measurement" for c in claims(R))
+
+
+def test_the_default_runtime_rows_carry_the_same_definition_as_a_measurement():
     v = verdict("quality", quality_rows(), "quality_gap_narrowed_runtime")
     assert v.status is Status.INFO and v.measured.value == pytest.approx(
-        verdict(R, replay_rows(), "quality_gap_narrowed").measured.value)
-    # the runtime rows never decide the target, and the replay rows never feed the runtime's measurement
-    assert verdict(R, quality_rows(), "quality_gap_narrowed").status is Status.NOT_MEASURED
+        verdict(LONG, long_rows(), "quality_gap_narrowed").measured.value)
+    # the default run's rows never decide the target (its configuration is not the pre-registered one), and the
+    # replay rows never feed the runtime's measurement
+    assert verdict(LONG, quality_rows(), "quality_gap_narrowed").status is Status.NOT_MEASURED
     assert verdict("quality", replay_rows(), "quality_gap_narrowed_runtime").measured.value is None
 
 
 def test_no_gap_between_colocated_and_train_batch_means_nothing_to_narrow():
-    v = verdict(R, replay_rows(colo=0.40), "quality_gap_narrowed")
+    v = verdict(LONG, long_rows(colo=0.40), "quality_gap_narrowed")
     assert v.status is Status.NOT_MEASURED and "no gap" in v.measured.note
     fresher = verdict("quality", quality_rows(colo=0.40), "quality_matched_vs_train_batch")  # still reported
     assert fresher.status is Status.INFO and fresher.measured.value == pytest.approx(0.08, abs=0.02)
@@ -77,15 +97,15 @@ def test_gap_closed_is_the_fraction_of_the_colocated_gap_and_the_match_is_report
     assert v.status is Status.INFO and v.measured.value == pytest.approx(0.5, abs=0.05)
     m = verdict("quality", quality_rows(kt_rate=1.2), "quality_throughput_match")
     assert m.measured.value == pytest.approx(1.2)
-    assert "1.20x train-batch" in verdict(R, replay_rows(kt_rate=1.2), "quality_gap_narrowed").measured.note
+    assert "1.20x train-batch" in verdict(LONG, long_rows(kt_rate=1.2), "quality_gap_narrowed").measured.note
     assert "simulated" in verdict(R, replay_rows(kt_rate=1.2), "replay_throughput_match").measured.note
     red = verdict("quality", quality_rows(), "quality_arch_staleness_reduction").measured
     assert red.value == pytest.approx(1 - (1.0 - 3.5) / (7.0 - 3.5))
 
 
 def test_a_single_seed_gives_no_interval_and_no_verdict():
-    rows = [r for r in replay_rows() if r.seed == 0]
-    assert verdict(R, rows, "quality_gap_narrowed").status is Status.NOT_MEASURED
+    rows = [r for r in long_rows() if r.seed == 0]
+    assert verdict(LONG, rows, "quality_gap_narrowed").status is Status.NOT_MEASURED
 
 
 def test_matched_budget_is_the_smallest_candidate_at_train_batch_throughput():

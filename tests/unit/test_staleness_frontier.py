@@ -1,12 +1,13 @@
-"""The frontier comparison (``knittrans.staleness``): Pareto front, interpolated matching, bounded reduction."""
+"""The frontier comparison (``knittrans.staleness``): Pareto front, interpolated matching, the uncapped reduction and
+the trainer-bound point."""
 
 import math
 
 import numpy as np
 import pytest
 
-from knittrans.staleness import (OperatingPoint, bounded_reduction, frontier_staleness, matched_reductions,
-                                 pareto_front)
+from knittrans.staleness import (OperatingPoint, arch_reduction, frontier_staleness, matched_reductions,
+                                 pareto_front, trainer_bound)
 
 P = OperatingPoint
 
@@ -33,23 +34,23 @@ def test_matching_never_uses_a_slower_point_beyond_the_tie_tolerance():
     assert frontier_staleness(kt, 2.0 * 1.02) is None
 
 
-@pytest.mark.parametrize("a_kt, a_tb", [(-5.0, 1.0), (0.0, 1.0), (100.0, 1.0), (0.5, 1.0), (None, 3.0), (1e-9, 1e9)])
-def test_bounded_reduction_stays_within_minus_one_and_one(a_kt, a_tb):
-    r = bounded_reduction(a_kt, a_tb)
-    assert r is not None and -1.0 <= r <= 1.0
+@pytest.mark.parametrize("a_kt, a_tb, want", [(-5.0, 1.0, 6.0), (0.0, 1.0, 1.0), (100.0, 1.0, -99.0),
+                                              (0.5, 1.0, 0.5), (-0.75, 7.5, 1.1)])
+def test_the_reduction_is_never_clamped(a_kt, a_tb, want):
+    # below the colocated reference reads above 1, staler than train-batch below 0: shown as measured
+    assert arch_reduction(a_kt, a_tb) == pytest.approx(want)
 
 
-def test_bounded_reduction_has_no_value_where_train_batch_has_under_a_step_to_reduce():
-    # the ratio 1 - A_kt/A_tb explodes as A_tb -> 0 (-12.7 with in-flight requests aborted); we do not report it
-    assert bounded_reduction(0.3, 0.02) is None and bounded_reduction(0.3, -1.0) is None
-    assert bounded_reduction(-0.5, 7.5) == 1.0  # below the colocated reference: all of it removed, not more
-    assert bounded_reduction(None, 7.5) == -1.0  # KnitTrans never reaches the throughput: the worst value
+def test_the_reduction_has_no_value_where_train_batch_has_under_a_step_to_reduce():
+    # the ratio 1 - A_kt/A_tb explodes as A_tb -> 0 (-12.7 with in-flight requests aborted): not a reduction
+    assert arch_reduction(0.3, 0.02) is None and arch_reduction(0.3, -1.0) is None
 
 
-def test_every_train_batch_pareto_point_gets_a_match():
+def test_every_train_batch_pareto_point_gets_a_match_and_the_fastest_is_the_trainer_bound_one():
     tb = [P(1.0, 7.5, budget=1.0), P(1.2, 11.0, budget=1.5), P(1.1, 12.0, budget=2.0), P(2.0, 20.0, budget=3.0)]
     kt = [P(0.8, -4.0), P(1.3, 0.5), P(1.9, 8.0)]
     ms = matched_reductions(kt, tb)
     assert [m.train_batch.budget for m in ms] == [1.0, 1.5, 3.0]  # budget 2.0 is dominated by 1.5
-    assert ms[-1].arch_knittrans is None and ms[-1].reduction == -1.0
-    assert all(-1.0 <= m.reduction <= 1.0 for m in ms)
+    assert ms[-1].arch_knittrans is None and ms[-1].reduction is None  # KnitTrans never that fast: no match
+    assert ms[0].reduction > 1.0  # KnitTrans below the colocated reference there: uncapped
+    assert trainer_bound(ms) is ms[-1] and trainer_bound([]) is None
