@@ -29,7 +29,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -40,6 +40,9 @@ from knittrans.dataplane.types import (AdmittedMiniBatch, DataPlaneError, MiniBa
                                        ShareTooLargeError, TrajectoryPayload, TrajectorySchema, UnitChunk,
                                        UnitLostError)
 from knittrans.types import MiniBatch
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ControllerAPI(Protocol):
@@ -193,20 +196,28 @@ def pack_share(loc: ShareLocation, chunks: Sequence[UnitChunk], schema: Trajecto
             tensor = torch.from_numpy(values)
         if rows:  # the one copy: every row from its chunk into the packed tensor (GIL held: ``copy_rows``)
             copy_rows(rows, values, spec.ragged)
-        cu = None
-        if lens is not None:
-            offs = np.zeros(len(lens) + 1, dtype=np.int64)
-            np.cumsum(lens, out=offs[1:])
-            cu = torch.from_numpy(cu_seqlens_int32(offs, name, loc))
-        if name == schema.token_field:
-            tokens = n
-        if name in casts:
-            tensor = tensor.to(getattr(torch, casts[name]))
-        if pin and name in casts:
-            tensor = tensor.pin_memory()  # the cast made a new (pageable) tensor
-        out[name] = PackedField(name, tensor, cu)
+        out[name] = _packed_field(name, tensor, lens, loc, casts.get(name), pin)
+        tokens = n if name == schema.token_field else tokens
     return PackedShare(key=loc.key, rank=loc.rank, traj_ids=loc.traj_ids, fields=out, nbytes=loc.nbytes,
                        num_tokens=tokens, seq=loc.seq, group_ids=loc.group_ids, epoch=loc.epoch)
+
+
+def _packed_field(name: str, tensor: "torch.Tensor", lens: Sequence[int] | np.ndarray | None, loc: ShareLocation,
+                  cast: str | None, pin: bool) -> PackedField:
+    """A packed field: ``cu_seqlens`` from the rows' lengths (ragged fields), the trainer's cast (pinned again when
+    a GPU reads it: the cast made a new, pageable tensor)."""
+    import torch
+
+    cu = None
+    if lens is not None:
+        offs = np.zeros(len(lens) + 1, dtype=np.int64)
+        np.cumsum(lens, out=offs[1:])
+        cu = torch.from_numpy(cu_seqlens_int32(offs, name, loc))
+    if cast is not None:
+        tensor = tensor.to(getattr(torch, cast))
+        if pin:
+            tensor = tensor.pin_memory()
+    return PackedField(name, tensor, cu)
 
 
 def pack_runs(loc: ShareLocation, objects: Sequence[Sequence[np.ndarray]], schema: TrajectorySchema,
@@ -250,18 +261,8 @@ def pack_runs(loc: ShareLocation, objects: Sequence[Sequence[np.ndarray]], schem
         n = int(rows.sum()) if spec.ragged else len(rows)
         shape = (n, *spec.tail)
         tensor = whole[off:off + nbytes].view(torch.from_numpy(np.empty(0, dtype)).dtype).reshape(shape)
-        cu = None
-        if lens is not None:
-            offs = np.zeros(len(lens) + 1, dtype=np.int64)
-            np.cumsum(lens, out=offs[1:])
-            cu = torch.from_numpy(cu_seqlens_int32(offs, name, loc))
-        if name == schema.token_field:
-            tokens = n
-        if name in casts:
-            tensor = tensor.to(getattr(torch, casts[name]))
-            if pin:
-                tensor = tensor.pin_memory()  # the cast made a new (pageable) tensor
-        out[name] = PackedField(name, tensor, cu)
+        out[name] = _packed_field(name, tensor, lens, loc, casts.get(name), pin)
+        tokens = n if name == schema.token_field else tokens
     return PackedShare(key=loc.key, rank=loc.rank, traj_ids=loc.traj_ids, fields=out, nbytes=loc.nbytes,
                        num_tokens=tokens, seq=loc.seq, group_ids=loc.group_ids, epoch=loc.epoch)
 

@@ -45,6 +45,7 @@ from knittrans.dataplane.types import (AdmissionStateError, AdmittedMiniBatch, A
                                        DataLostError, DataPlaneClosedError, DataPlaneError, DuplicatePutError,
                                        EndOfStream, FencedError, FieldNotProducedError, MiniBatchKey, PutRecord,
                                        ShareLocation, ShareRuns, TrajectorySchema, UnknownMiniBatchError)
+from knittrans.dataplane.types import ControllerStats  # noqa: F401 - re-exported: the controller's counts
 from knittrans.types import BatchPlan, MiniBatch, Trajectory
 
 if TYPE_CHECKING:  # the admission package is only needed when a policy is passed in
@@ -94,26 +95,6 @@ class _MiniBatchState:
     released: bool = False
     t_admit: float = 0.0  # seconds since the controller started
     restored: bool = False  # rebuilt after a controller restart: its claims were not journaled (see ``ack``)
-
-
-@dataclass(frozen=True)
-class ControllerStats:
-    """Counts for reports and tests."""
-
-    trajectories: int
-    admitted: int
-    claims: int
-    released_minibatches: int
-    missing: int = 0  # trajectories lost with a unit and not re-put yet
-    units_lost: int = 0
-    completed: int = 0  # trajectories whose completing put (with meta) arrived
-    planned_minibatches: int = 0  # M per announced batch
-    held: int = 0  # trajectories with live metadata (not yet released): what controller memory scales with
-    held_minibatches: int = 0  # admitted, not yet released
-    released_id_ranges: int = 0  # released ids are kept as ranges (one per run of consecutive ids)
-    discarded: int = 0  # orphans forgotten by ``discard``
-    restarts: int = 0  # times this controller was rebuilt from its journal and the units (``restore``)
-    held_groups: int = 0  # announced groups whose batch still has unreleased trajectories
 
 
 class Controller:

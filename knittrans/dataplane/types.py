@@ -253,6 +253,26 @@ class PutRecord:
     field is not a plain run of ``source`` (then the share is read through the unit). () when ``source`` is None."""
 
 
+@dataclass(frozen=True)
+class ControllerStats:
+    """Counts for reports and tests."""
+
+    trajectories: int
+    admitted: int
+    claims: int
+    released_minibatches: int
+    missing: int = 0  # trajectories lost with a unit and not re-put yet
+    units_lost: int = 0
+    completed: int = 0  # trajectories whose completing put (with meta) arrived
+    planned_minibatches: int = 0  # M per announced batch
+    held: int = 0  # trajectories with live metadata (not yet released): what controller memory scales with
+    held_minibatches: int = 0  # admitted, not yet released
+    released_id_ranges: int = 0  # released ids are kept as ranges (one per run of consecutive ids)
+    discarded: int = 0  # orphans forgotten by ``discard``
+    restarts: int = 0  # times this controller was rebuilt from its journal and the units (``restore``)
+    held_groups: int = 0  # announced groups whose batch still has unreleased trajectories
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class MiniBatchKey:
     """Identifies an admitted mini-batch: the ``index``-th mini-batch of training batch ``batch_id``."""
