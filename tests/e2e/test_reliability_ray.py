@@ -3,12 +3,14 @@ and a small concurrent load (producer and consumer actors). Semantics: docs/reli
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray")
 
-from knittrans.dataplane import AlreadyConsumedError, TrajectoryPayload  # noqa: E402
+from knittrans.dataplane import AlreadyConsumedError, MiniBatchKey, TrajectoryPayload  # noqa: E402
 from knittrans.dataplane.faults import (CorruptGet, CorruptPut, FaultPlan, ProducerBuffer,  # noqa: E402
                                         UnitLoss)
 from knittrans.dataplane.ray_transport import build_ray  # noqa: E402
@@ -103,8 +105,19 @@ def test_a_dead_unit_actor_reads_as_a_lost_unit(ray_local):
         c = dp.client("u1")
         c.put([TrajectoryPayload(t, {"input_ids": np.arange(t + 1)}) for t in range(4)])
         c.admit(MiniBatch(0, 0, (0, 1, 2, 3), (0,), 0))
+        key = MiniBatchKey(0, 0)
+        ref = dp.controller.claim(key, 0, ("input_ids",)).runs.sources[0]  # the unit's object (its owner)
+        dp.controller.unclaim(key, 0, ("input_ids",))
         ray.kill(dp.unit_actors["u1"])
-        with pytest.raises(UnitLostError, match="storage unit u1 is lost: its actor died"):
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # ray.kill returns before the actor is gone, and its objects after it
+            try:
+                ray.get(ref, timeout=5)
+            except (ray.exceptions.OwnerDiedError, ray.exceptions.ObjectLostError):
+                break
+            time.sleep(0.05)
+        del ref  # (until its objects are gone a rank still reads the unit's intact bytes: nothing is lost then)
+        with pytest.raises(UnitLostError, match="storage unit u1 is lost"):
             c.fetch(MiniBatch(0, 0, (0, 1, 2, 3), (0,), 0), 0, ("input_ids",))
         assert dp.client().controller.missing() == (0, 1, 2, 3)  # reported by the reader that saw it die
         dp.client("u0").put([TrajectoryPayload(t, {"input_ids": np.arange(t + 1)}) for t in range(4)])
