@@ -367,9 +367,10 @@ class Consumer:
         self.client.ack(share)
 
     @property
-    def events(self) -> list:
-        """The prefetcher's per-share timings (``knittrans.dataplane.prefetch.PrefetchEvent``)."""
-        return [] if self._prefetcher is None else self._prefetcher.events
+    def events(self) -> Sequence:
+        """The prefetcher's per-share timings (``knittrans.dataplane.prefetch.PrefetchEvent``), the last
+        ``prefetch.EVENTS_KEPT`` of them."""
+        return () if self._prefetcher is None else self._prefetcher.events
 
     def flush(self, timeout: float | None = 60.0) -> None:
         """Wait until this rank's acks reached the controller (on Ray they are sent asynchronously, off the

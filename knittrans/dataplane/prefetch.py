@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -27,6 +28,9 @@ from knittrans.types import require_int, require_real
 log = logging.getLogger(__name__)
 
 _WAKE_S = 0.5  # longest a blocked worker takes to notice close()
+EVENTS_KEPT = 4096
+"""Handed-out shares whose ``PrefetchEvent`` a prefetcher keeps (the last ones): a long run's timings stay bounded
+(~200 B each) instead of growing by one per step for ever."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,8 @@ class Prefetcher:
     config: PrefetchConfig = field(default_factory=PrefetchConfig)
     start_seq: int = 0
     count: int | None = None
-    events: list[PrefetchEvent] = field(default_factory=list)
+    events: deque[PrefetchEvent] = field(default_factory=lambda: deque(maxlen=EVENTS_KEPT))
+    """The last ``EVENTS_KEPT`` handed-out shares' timings, oldest first."""
 
     def __post_init__(self) -> None:
         # Up to ``depth + 1`` shares are claimed ahead of the trainer (``depth`` prepared and waiting, the next in
