@@ -505,7 +505,9 @@ class Handoff:
 
     def close(self) -> None:
         """Stop this process's consumers and the data plane (waiters wake with ``DataPlaneClosedError``; a later
-        ``put`` raises it)."""
+        ``put`` raises it). Idempotent."""
+        if self._closed.is_set():
+            return
         self._closed.set()
         try:
             for c in self._consumers:

@@ -78,6 +78,8 @@ class ChaosResult:
     released_minibatches: int = 0
     """Mini-batches released at the end (all of them when every rank's ack survived)."""
     wall_s: float = 0.0
+    error: str = ""
+    """What ended the run early (a Handoff run counts it as every kind not survived instead of raising)."""
 
 
 def expected(t: int) -> dict[str, np.ndarray]:
@@ -516,6 +518,8 @@ def run_handoff_chaos(transport: str, cfg: HandoffChaosConfig) -> ChaosResult:
 
         res.final_unit_bytes = 0 if units_empty(h.plane, timeout=0.0 if transport == "inprocess" else 10.0) else -1
         res.released_minibatches = h.version
+    except Exception as e:  # noqa: BLE001 - a fault not survived: counted (every kind zeroed below), not raised
+        res.error = f"{type(e).__name__}: {e}"[:300]
     finally:
         h.close()
         res.wall_s = time.perf_counter() - t0
@@ -529,8 +533,8 @@ def run_handoff_chaos(transport: str, cfg: HandoffChaosConfig) -> ChaosResult:
     res.lost = int((counts == 0).sum())
     res.duplicated = int(np.clip(counts - 1, 0, None).sum())
     res.corrupted = len(corrupted)
-    if res.lost or res.duplicated or res.corrupted or res.final_unit_bytes or res.released_minibatches != \
-            cfg.batches * M:
+    if res.error or res.lost or res.duplicated or res.corrupted or res.final_unit_bytes or \
+            res.released_minibatches != cfg.batches * M:
         for kind in list(ok):
             ok[kind] = 0
     return res

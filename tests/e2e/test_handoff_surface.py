@@ -282,6 +282,13 @@ def test_bad_consumer_arguments_are_refused_at_the_call_naming_them(transport):
         h.close()
 
 
+def test_every_handoff_bad_input_of_the_catalogue_is_refused_by_name(transport):
+    from workloads.reliability_catalogue import handoff_catalogue, try_case
+
+    results = {c.name: try_case(c) for c in handoff_catalogue(transport.value)}
+    assert all(ok for ok, _ in results.values()), {k: m for k, (ok, m) in results.items() if not ok}
+
+
 def test_a_bad_balance_slack_never_reaches_the_first_admission():
     from knittrans.dataplane.controller import ControllerConfig
 
