@@ -84,6 +84,17 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+def _guarded(fn: Callable[[], None], errors: list[BaseException]) -> Callable[[], None]:
+    """``fn`` for a worker thread: an error is appended to ``errors`` (the driver re-raises it) instead of dying with
+    the thread."""
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised by the driver
+            errors.append(e)
+    return run
+
+
 def _plan(n: int, mb: int) -> list[tuple[int, ...]]:
     return [tuple(range(k * mb, min(n, (k + 1) * mb))) for k in range(-(-n // mb))]
 
@@ -116,12 +127,7 @@ def load_inprocess(cfg: LoadConfig) -> LoadResult:
     errors: list[BaseException] = []
 
     def guard(fn):  # noqa: ANN001, ANN202
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as e:  # noqa: BLE001 - re-raised by the driver below
-                errors.append(e)
-        return run
+        return _guarded(fn, errors)
 
     def consume(r: int) -> None:
         for share in Prefetcher(dp.client(), r, None, PrefetchConfig(depth=1, admit_timeout_s=300), count=len(mbs)):
@@ -348,12 +354,7 @@ def load_handoff(cfg: HandoffLoadConfig, transport: str = "inprocess") -> Handof
     errors: list[BaseException] = []
 
     def guard(fn):  # noqa: ANN001, ANN202
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as e:  # noqa: BLE001 - re-raised by the driver below
-                errors.append(e)
-        return run
+        return _guarded(fn, errors)
 
     def produce(p: int) -> None:
         producer = h.producer(f"u{p}")
