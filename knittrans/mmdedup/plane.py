@@ -586,6 +586,8 @@ class MMClient(DataPlaneClient):
         for (o, c, a, b), k in zip(runs.images.tolist(), runs.image_keys):
             np.copyto(buf[off:off + b - a], objects[o][c].reshape(-1).view(np.uint8)[a:b])  # the one copy
             raw = buf[off:off + b - a]
+            if self.checksums:
+                verify_image(loc, runs.source_units[o], raw, k)
             x = torch.from_numpy(raw.view(np.int16 if k.dtype == "bfloat16" else np.dtype(k.dtype)).reshape(k.shape))
             pixels.append(x.view(torch.bfloat16) if k.dtype == "bfloat16" else x)
             off += aligned(b - a)
@@ -621,7 +623,7 @@ class MMClient(DataPlaneClient):
                 pix_bytes += int(a.nbytes)  # moved, even if another unit shipped the same content
                 k = ch.keys[i] if ch.keys else None
                 if self.checksums:
-                    verify_image(loc, ch, a, k)
+                    verify_image(loc, ch.unit_id, a, k)
                 if k is not None and k in at:
                     m.append(at[k])
                     continue
@@ -664,7 +666,7 @@ class MMClient(DataPlaneClient):
                        occurrence_nbytes=occ_bytes)
 
 
-def verify_image(loc: ShareLocation, ch: MMUnitChunk, pixels: np.ndarray, key: ImageKey | None) -> None:
+def verify_image(loc: ShareLocation, unit_id: str, pixels: np.ndarray, key: ImageKey | None) -> None:
     """With checksums on, an image a unit shipped must match its content key (the unit's strong digest of the stored
     bytes, ``ImageKey``): a corrupted image raises ``CorruptPayloadError`` naming the unit and the share (the claim is
     undone by the client). Without keys (``dedup=False``) the fields' CRC-32s are the check."""
@@ -672,7 +674,7 @@ def verify_image(loc: ShareLocation, ch: MMUnitChunk, pixels: np.ndarray, key: I
     from knittrans.mmdedup.keys import strong_digest
 
     if key is not None and strong_digest(torch.from_numpy(np.ascontiguousarray(pixels))) != key.digest:
-        raise CorruptPayloadError(f"share {loc.key} rank {loc.rank}: image {key} from unit {ch.unit_id} is corrupt "
+        raise CorruptPayloadError(f"share {loc.key} rank {loc.rank}: image {key} from unit {unit_id} is corrupt "
                                   f"on fetch (its bytes do not match its content key); nothing was consumed, retry "
                                   f"the fetch")
 
