@@ -273,11 +273,12 @@ class Producer:
         nothing and names the offending trajectory and field). A put after ``Handoff.close`` raises
         ``DataPlaneClosedError`` (never accepted and dropped). A re-put of trajectories lost with a storage unit
         (``Handoff.missing``) is accepted as it was first put, metadata included."""
+        if isinstance(rollouts, Rollout) or not isinstance(rollouts, Iterable):
+            raise TypeError(f"Producer.put takes a sequence of Rollout messages, got {type(rollouts).__name__}")
+        rollouts = list(rollouts)
         if self.closed is not None and self.closed.is_set():
             raise DataPlaneClosedError(f"the handoff is closed: put of {len(rollouts)} rollouts to unit "
                                        f"{self.unit!r} refused")
-        if isinstance(rollouts, Rollout) or not isinstance(rollouts, Sequence):
-            raise TypeError(f"Producer.put takes a sequence of Rollout messages, got {type(rollouts).__name__}")
         if self._client is None:
             self._client = self.plane.client(self.unit)
         payloads = [self._payload(r) for r in rollouts]
