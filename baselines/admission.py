@@ -109,8 +109,7 @@ class GreedyStreamingAdmission(LedgerPolicy):
     def _end_short(self, b: BatchState, missing: int) -> None:
         """End batch ``b`` with ``missing`` fewer mini-batches than M (every trajectory of it was consumed)."""
         b.committed = self.constraints.num_minibatches
-        if self.ledger.order and self.ledger.order[0] == b.plan.batch_id:
-            self.ledger.order.popleft()
+        self.ledger.finish(b)  # off the order, and its state forgotten (bounded memory)
         self._stats.ended_short += 1
         self._stats.skipped_minibatches += missing
         if b.plan.batch_id not in self._dead:

@@ -43,9 +43,10 @@ the same API. Example (runs as written; a GRPO step would replace the comment)::
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Iterator, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -56,12 +57,15 @@ from knittrans.dataplane.client import DataPlaneClient, PrepareConfig
 from knittrans.dataplane.controller import ControllerStats, HandoffRecord
 from knittrans.dataplane.prefetch import PrefetchConfig, Prefetcher
 from knittrans.dataplane.storage import UnitStats
-from knittrans.dataplane.types import TEXT_SCHEMA, PackedShare, TrajectoryPayload, TrajectorySchema
+from knittrans.dataplane.types import (TEXT_SCHEMA, DataPlaneClosedError, FieldNotProducedError, PackedShare,
+                                       TrajectoryPayload, TrajectorySchema)
 from knittrans.staleness import StalenessStats
-from knittrans.types import BatchPlan, Trajectory
+from knittrans.types import BatchPlan, Trajectory, require_int, require_real
 
 if TYPE_CHECKING:
     import torch
+
+    from knittrans.dataplane.faults import FaultPlan
 
 
 class Transport(str, Enum):
@@ -122,6 +126,15 @@ class HandoffConfig:
     None: no deadline (in process, reads then run on the rank's own thread)."""
     controller_node: str | None = None
     """Ray transport: the node of the controller actor (a Ray node id pins it there; None: Ray places it)."""
+    records_window: int | None = 65_536
+    """``records()`` keeps the released records of the last this many trained trajectories (64 B each in columns,
+    at most twice that before a trim: <= 8 MiB at the default), so the controller's memory is flat however long the
+    run; ``staleness()`` stays exact over every trained trajectory (it is kept as a histogram of staleness values).
+    None: keep every record (memory grows 64 B per trajectory: what a run that checks every record wants, e.g. the
+    runtime's invariant checks); 0: keep none (``records()`` lists only the unreleased ones)."""
+    faults: "FaultPlan | None" = None
+    """Fault injection for tests and the reliability table (``knittrans.dataplane.faults.FaultPlan``: units that die,
+    corrupt or stall); None (the default): no wrapper exists at all. Text handoffs only."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "transport", Transport(self.transport))
@@ -131,12 +144,25 @@ class HandoffConfig:
             raise ValueError(f"HandoffConfig.units must name at least one unit, each once: {self.units}")
         if not self.rank_nodes:
             raise ValueError("HandoffConfig.rank_nodes must list at least one trainer rank")
-        if self.prefetch_depth < 1:
-            raise ValueError(f"HandoffConfig.prefetch_depth must be >= 1, got {self.prefetch_depth}")
+        for name in ("multimodal", "dedup", "checksums"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"HandoffConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        require_int("HandoffConfig", "prefetch_depth", self.prefetch_depth, 1)
+        require_real("HandoffConfig", "balance_slack", self.balance_slack, 0.0)
+        require_real("HandoffConfig", "admit_timeout_s", self.admit_timeout_s, 0.0, strict=True, optional=True)
+        require_int("HandoffConfig", "records_window", self.records_window, 0, optional=True)
         t = self.read_timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or t == float("inf")):
             raise ValueError(f"HandoffConfig.read_timeout_s must be a finite number of seconds > 0, or None (no "
                              f"deadline), got {t!r}")
+        if self.faults is not None:
+            from knittrans.dataplane.faults import FaultPlan
+
+            if not isinstance(self.faults, FaultPlan):
+                raise TypeError(f"HandoffConfig.faults must be a FaultPlan or None, got {type(self.faults).__name__}")
+            if self.multimodal:
+                raise ValueError("HandoffConfig.faults: fault injection is for text handoffs (multimodal units take "
+                                 "no FaultPlan)")
 
     @classmethod
     def grpo(cls, prompts_per_batch: int, group_size: int, num_minibatches: int, max_response_len: int,
@@ -169,10 +195,40 @@ class Rollout:
     grids: tuple[tuple[int, int, int], ...] = ()
 
 
+def check_fields(schema: TrajectorySchema, fields: object) -> tuple[str, ...] | None:
+    """A consumer's ``fields`` as a tuple of distinct schema field names (None: every field), or ``TypeError`` /
+    ``FieldNotProducedError`` naming the argument: a bare string is refused (``"input_ids"`` would otherwise be read
+    as the fields ``'i', 'n', ...``), and so are an empty list, a duplicate and a name outside the schema.
+
+        >>> check_fields(TEXT_SCHEMA, ["input_ids"])
+        ('input_ids',)
+        >>> check_fields(TEXT_SCHEMA, "input_ids")
+        Traceback (most recent call last):
+        ...
+        TypeError: consumer fields must be a sequence of field names, e.g. ('input_ids',), got the str 'input_ids'
+    """
+    if fields is None:
+        return None
+    if isinstance(fields, (str, bytes, Mapping)) or not isinstance(fields, Iterable):
+        raise TypeError(f"consumer fields must be a sequence of field names, e.g. ('input_ids',), got the "
+                        f"{type(fields).__name__} {fields!r}")
+    names = tuple(fields)
+    odd = [n for n in names if not isinstance(n, str)]
+    if odd:
+        raise TypeError(f"consumer fields must be field names (str), got {odd[:4]} in {list(names)}")
+    if not names or len(set(names)) != len(names):
+        raise FieldNotProducedError(f"consumer fields must name at least one field, each once (None: every field), "
+                                    f"got {list(names)}")
+    unknown = [n for n in names if n not in schema.names]
+    if unknown:
+        raise FieldNotProducedError(f"consumer fields {unknown} are not in the schema (fields: {list(schema.names)})")
+    return names
+
+
 def _build_plane(cfg: HandoffConfig, policy: AdmissionPolicy) -> DataPlane:
     units, ranks, schema = dict(cfg.units), tuple(cfg.rank_nodes), cfg.resolved_schema
     common = dict(balance_slack=cfg.balance_slack, prepare=cfg.prepare, policy=policy,
-                  read_timeout_s=cfg.read_timeout_s)
+                  read_timeout_s=cfg.read_timeout_s, checksums=cfg.checksums, records_window=cfg.records_window)
     if cfg.transport is Transport.INPROCESS:
         if cfg.multimodal:
             from knittrans.mmdedup.plane import build_mm_inprocess
@@ -180,14 +236,14 @@ def _build_plane(cfg: HandoffConfig, policy: AdmissionPolicy) -> DataPlane:
             return build_mm_inprocess(units, ranks, schema, dedup=cfg.dedup, **common)
         from knittrans.dataplane.inprocess import build_inprocess
 
-        return build_inprocess(schema, units, ranks, checksums=cfg.checksums, **common)
+        return build_inprocess(schema, units, ranks, faults=cfg.faults, **common)
     if cfg.multimodal:
         from knittrans.mmdedup.plane_ray import build_mm_ray
 
         return build_mm_ray(units, ranks, schema, dedup=cfg.dedup, controller_node=cfg.controller_node, **common)
     from knittrans.dataplane.ray_transport import build_ray
 
-    return build_ray(schema, units, ranks, checksums=cfg.checksums, controller_node=cfg.controller_node, **common)
+    return build_ray(schema, units, ranks, faults=cfg.faults, controller_node=cfg.controller_node, **common)
 
 
 @dataclass
@@ -198,12 +254,15 @@ class Producer:
     plane: DataPlane
     unit: str
     multimodal: bool
+    closed: threading.Event | None = None
+    """Set by ``Handoff.close`` (this process's producers only: a pickled producer learns of the close from the
+    plane itself, whose controller refuses puts once closed)."""
 
     def __post_init__(self) -> None:
         self._client: DataPlaneClient | None = None
 
     def __getstate__(self) -> dict:
-        return {"plane": self.plane, "unit": self.unit, "multimodal": self.multimodal}
+        return {"plane": self.plane, "unit": self.unit, "multimodal": self.multimodal, "closed": None}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -211,7 +270,15 @@ class Producer:
 
     def put(self, rollouts: Sequence[Rollout]) -> None:
         """Store ``rollouts`` and hand them to admission; all or nothing per call (a rejected call changes
-        nothing and names the offending trajectory and field)."""
+        nothing and names the offending trajectory and field). A put after ``Handoff.close`` raises
+        ``DataPlaneClosedError`` (never accepted and dropped). A re-put of trajectories lost with a storage unit
+        (``Handoff.missing``) is accepted as it was first put, metadata included."""
+        if isinstance(rollouts, Rollout) or not isinstance(rollouts, Iterable):
+            raise TypeError(f"Producer.put takes a sequence of Rollout messages, got {type(rollouts).__name__}")
+        rollouts = list(rollouts)
+        if self.closed is not None and self.closed.is_set():
+            raise DataPlaneClosedError(f"the handoff is closed: put of {len(rollouts)} rollouts to unit "
+                                       f"{self.unit!r} refused")
         if self._client is None:
             self._client = self.plane.client(self.unit)
         payloads = [self._payload(r) for r in rollouts]
@@ -247,8 +314,14 @@ class Consumer:
     count: int | None = None
 
     def __post_init__(self) -> None:
+        # Every argument is checked here, where it is given, not at the first ``next()``.
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
             raise ValueError(f"Consumer.rank must be an int >= 0, got {self.rank!r}")
+        self.fields = check_fields(self.plane.schema, self.fields)
+        require_int("Consumer", "depth", self.depth, 1)
+        require_real("Consumer", "admit_timeout_s", self.admit_timeout_s, 0.0, strict=True, optional=True)
+        require_int("Consumer", "start_seq", self.start_seq, 0)
+        require_int("Consumer", "count", self.count, 0, optional=True)
         self._client: DataPlaneClient | None = None
         self._prefetcher: Prefetcher | None = None
 
@@ -267,6 +340,9 @@ class Consumer:
         return self._client
 
     def __iter__(self) -> Iterator[PackedShare]:
+        """The shares, in admission order. A storage unit that dies under a read does not end the iteration: the
+        share is read again once its producers re-put the lost trajectories (``Handoff.missing`` names them;
+        ``PrefetchConfig.wait_for_reput``), within ``admit_timeout_s`` when set."""
         if self._prefetcher is None:
             self._prefetcher = Prefetcher(self.client, self.rank, self.fields,
                                           PrefetchConfig(depth=self.depth, admit_timeout_s=self.admit_timeout_s,
@@ -292,9 +368,10 @@ class Consumer:
         self.client.ack(share)
 
     @property
-    def events(self) -> list:
-        """The prefetcher's per-share timings (``knittrans.dataplane.prefetch.PrefetchEvent``)."""
-        return [] if self._prefetcher is None else self._prefetcher.events
+    def events(self) -> Sequence:
+        """The prefetcher's per-share timings (``knittrans.dataplane.prefetch.PrefetchEvent``), the last
+        ``prefetch.EVENTS_KEPT`` of them."""
+        return () if self._prefetcher is None else self._prefetcher.events
 
     def flush(self, timeout: float | None = 60.0) -> None:
         """Wait until this rank's acks reached the controller (on Ray they are sent asynchronously, off the
@@ -305,10 +382,15 @@ class Consumer:
     def close(self) -> None:
         """Stop prefetching (shares claimed and not handed out are given back) and send the queued acks
         (re-raises one that failed)."""
+        self._closed = True
         if self._prefetcher is not None:
             self._prefetcher.close()
         if self._client is not None:
             self._client.close()
+
+    @property
+    def closed(self) -> bool:
+        return getattr(self, "_closed", False)
 
 
 class Handoff:
@@ -325,6 +407,7 @@ class Handoff:
         self.plane: DataPlane = _build_plane(config, policy)
         self._controller = self.plane.controller
         self._consumers: list[Consumer] = []
+        self._closed = threading.Event()
 
     # -- batches -------------------------------------------------------------------------------------------------
 
@@ -343,23 +426,39 @@ class Handoff:
         unit = unit or self.config.units[0][0]
         if unit not in dict(self.config.units):
             raise ValueError(f"unknown storage unit {unit!r}; units: {[u for u, _ in self.config.units]}")
-        return Producer(self.plane, unit, self.config.multimodal)
+        return Producer(self.plane, unit, self.config.multimodal, self._closed)
 
     def put(self, rollouts: Sequence[Rollout], unit: str | None = None) -> None:
         self.producer(unit).put(rollouts)
 
     def consumer(self, rank: int = 0, fields: Sequence[str] | None = None, start_seq: int = 0,
                  count: int | None = None) -> Consumer:
-        """Trainer rank ``rank``'s iterator (``fields``: default every schema field) over the ``count`` shares
-        from the ``start_seq``-th admitted mini-batch on (None: to the end of the stream)."""
-        if not 0 <= rank < len(self.config.rank_nodes):
-            raise ValueError(f"rank {rank} out of range: the handoff has {len(self.config.rank_nodes)} ranks")
-        if count is not None and count < 0:
-            raise ValueError(f"consumer count must be >= 0 or None, got {count}")
-        c = Consumer(self.plane, rank, None if fields is None else tuple(fields), self.config.prefetch_depth,
+        """Trainer rank ``rank``'s iterator (``fields``: a sequence of schema field names, default every one) over
+        the ``count`` shares from the ``start_seq``-th admitted mini-batch on (None: to the end of the stream). Each
+        argument is checked here (``TypeError``/``ValueError`` naming it).
+
+        Recovery (docs/reliability.md): a unit that dies under the consumer needs nothing from the trainer (the
+        consumer waits for the re-put, ``Consumer.__iter__``); a trainer rank that restarts calls
+        ``recover_rank(rank)`` and builds its consumer from the seq it returns."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(self.config.rank_nodes):
+            raise ValueError(f"rank {rank!r} out of range: the handoff has {len(self.config.rank_nodes)} ranks")
+        c = Consumer(self.plane, rank, check_fields(self.config.resolved_schema, fields), self.config.prefetch_depth,
                      self.config.admit_timeout_s, start_seq, count)
-        self._consumers.append(c)
+        self._consumers = [k for k in self._consumers if not k.closed] + [c]  # closed ones hold nothing to flush
         return c
+
+    # -- recovery (docs/reliability.md) ------------------------------------------------------------------------
+
+    def missing(self) -> tuple[int, ...]:
+        """Trajectories lost with a storage unit and not re-put yet: their producers put them again (any live unit;
+        ``Producer.put`` accepts the same rollouts), and every consumer waiting on them goes on."""
+        return self._controller.missing()
+
+    def recover_rank(self, rank: int) -> int:
+        """Trainer rank ``rank`` crashed and restarts: what it claimed and did not ack returns to the pool, its old
+        incarnation is fenced off, and the returned seq is where its new consumer starts
+        (``consumer(rank, start_seq=...)``)."""
+        return self._controller.recover_rank(rank)
 
     # -- versions and records ----------------------------------------------------------------------------------
 
@@ -378,15 +477,23 @@ class Handoff:
             c.flush()
 
     def records(self) -> list[HandoffRecord]:
-        """Every admitted trajectory: ``v_gen``, ``v_train`` (its mini-batch's step), completion and admission
-        times (seconds since the handoff started)."""
+        """The admitted trajectories' records: ``v_gen``, ``v_train`` (its mini-batch's step), completion and
+        admission times (seconds since the handoff started), by id -- every unreleased one, and of the released ones
+        the last ``HandoffConfig.records_window`` (default 65,536; None: all), so that a long run's controller memory
+        stays flat. ``staleness()`` does not depend on the window."""
         self._flush_consumers()
         return self._controller.records()
 
     def staleness(self, released_only: bool = True) -> StalenessStats:
-        """Staleness ``v_train - v_gen`` over the trajectories trained so far (all admitted ones if not
-        ``released_only``)."""
-        return StalenessStats.of(np.array([r.staleness for r in self.records() if r.released or not released_only]))
+        """Staleness ``v_train - v_gen`` over every trajectory trained so far, exact whatever ``records_window`` is
+        (the controller keeps a histogram of it); with ``released_only`` False, the admitted unreleased ones too."""
+        self._flush_consumers()
+        counts = dict(self._controller.staleness_counts())
+        if not released_only:
+            for r in self._controller.records():
+                if not r.released:
+                    counts[r.staleness] = counts.get(r.staleness, 0) + 1
+        return StalenessStats.of_counts(tuple(counts.items()))
 
     def stats(self) -> tuple[ControllerStats, list[UnitStats]]:
         return self.plane.controller_stats(), self.plane.unit_stats()
@@ -398,7 +505,11 @@ class Handoff:
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop this process's consumers and the data plane (waiters wake with ``DataPlaneClosedError``)."""
+        """Stop this process's consumers and the data plane (waiters wake with ``DataPlaneClosedError``; a later
+        ``put`` raises it). Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
         try:
             for c in self._consumers:
                 c.close()

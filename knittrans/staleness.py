@@ -102,6 +102,34 @@ class StalenessStats:
             return cls(nan, nan, nan, nan)
         return cls(float(s.mean()), float(np.percentile(s, 50)), float(np.percentile(s, 99)), float(s.max()))
 
+    @classmethod
+    def of_counts(cls, counts: "Sequence[tuple[float, int]]") -> "StalenessStats":
+        """The same statistics as ``of`` over a histogram, (value, how many) pairs: what a controller keeps instead
+        of every trajectory's value (bounded memory). Percentiles interpolate linearly between order statistics, as
+        ``numpy.percentile``'s default does, so both give the same numbers.
+
+            >>> StalenessStats.of_counts([(0, 3), (2, 1)]) == StalenessStats.of(np.array([0, 0, 0, 2]))
+            True
+        """
+        pairs = sorted((float(v), int(n)) for v, n in counts if n > 0)
+        if not pairs:
+            return cls.of(np.zeros(0))
+        values = np.array([v for v, _ in pairs])
+        ends = np.cumsum([n for _, n in pairs])  # order statistics 0 .. ends[i] - 1 have values[<= i]
+        total = int(ends[-1])
+
+        def at(k: int) -> float:  # the k-th order statistic (0-based)
+            return float(values[int(np.searchsorted(ends, k, side="right"))])
+
+        def pct(q: float) -> float:
+            pos = q / 100.0 * (total - 1)
+            lo = int(np.floor(pos))
+            hi = min(lo + 1, total - 1)
+            return at(lo) + (at(hi) - at(lo)) * (pos - lo)
+
+        mean = float(sum(v * n for v, n in pairs) / total)
+        return cls(mean, pct(50), pct(99), float(values[-1]))
+
 
 @dataclass(frozen=True)
 class RunMetrics:

@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, field
 from enum import Enum, EnumMeta
@@ -115,6 +116,45 @@ class InflightPolicy(str, Enum, metaclass=ValueNamedEnum):
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
+
+
+def require_int(owner: str, name: str, value: object, minimum: int, optional: bool = False) -> None:
+    """``value`` is an int >= ``minimum`` (not a bool, not a float such as 2.5), or None when ``optional``; else
+    ``TypeError`` / ``ValueError`` naming ``owner.name``. For config fields and call arguments, checked where they
+    are given (construction, the call) rather than where they are first used.
+
+        >>> require_int("HandoffConfig", "prefetch_depth", 2.5, 1)
+        Traceback (most recent call last):
+        ...
+        TypeError: HandoffConfig.prefetch_depth must be an int, got float 2.5
+    """
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{owner}.{name} must be an int{' or None' if optional else ''}, got "
+                        f"{type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{owner}.{name} must be >= {minimum}{' or None' if optional else ''}, got {value}")
+
+
+def require_real(owner: str, name: str, value: object, minimum: float = 0.0, strict: bool = False,
+                 optional: bool = False) -> None:
+    """``value`` is a finite real number >= ``minimum`` (> when ``strict``), or None when ``optional``; else
+    ``TypeError`` / ``ValueError`` naming ``owner.name`` (NaN and inf are refused: a slack or a timeout of inf is a
+    typo, and None already says "no limit").
+
+        >>> require_real("HandoffConfig", "admit_timeout_s", -5, strict=True, optional=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: HandoffConfig.admit_timeout_s must be a finite number > 0.0 or None, got -5
+    """
+    if value is None and optional:
+        return
+    what = f"a finite number {'>' if strict else '>='} {minimum}{' or None' if optional else ''}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{owner}.{name} must be {what}, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value < minimum or (strict and value == minimum):
+        raise ValueError(f"{owner}.{name} must be {what}, got {value!r}")
 
 
 def _int_field(owner: str, name: str, value: object, minimum: int) -> None:

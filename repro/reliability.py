@@ -13,6 +13,11 @@ Parts (semantics: docs/reliability.md):
 - **Bad input**: ``workloads.reliability_catalogue``: one row per case (tried, rejected cleanly with state intact).
 - **Load**: ``load_trajectories`` in process (threads) and ``ray_load_trajectories`` on Ray (actors): exact
   accounting, storage freed, controller state after warm-up, RSS growth (in process), throughput.
+- **Through the Handoff** (issue 29): the Handoff chaos driver (``workloads.chaos.run_handoff_chaos``: rejected puts
+  re-put at once, bad metadata, a lost claim reply, a unit lost under running consumers, a read stalled under
+  ``fetch_next(timeout)``, a put after close) and the Handoff's bad inputs (``reliability_catalogue.handoff_catalogue``)
+  on each transport, and ``handoff_load_trajectories`` through ``knittrans.Handoff`` in process (admission policy,
+  records and acks included: the RSS claim's 1M-trajectory run) and ``ray_handoff_load_trajectories`` on Ray.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from repro.spec.reliability import ReliabilityTrial
-from workloads.chaos import CLASSES, ChaosConfig, ChaosResult, run_chaos
-from workloads.reliability_catalogue import catalogue, try_case
+from workloads.chaos import CLASSES, ChaosConfig, ChaosResult, HandoffChaosConfig, run_chaos, run_handoff_chaos
+from workloads.reliability_catalogue import catalogue, handoff_catalogue, try_case
 from workloads.reliability_faults import FaultOutcome, dataplane_fault_scenarios, runtime_fault_scenarios
-from workloads.reliability_load import LoadConfig, LoadResult, load_inprocess, load_ray, ray_init
+from workloads.reliability_load import (HandoffLoadConfig, HandoffLoadResult, LoadConfig, LoadResult, load_handoff,
+                                        load_inprocess, load_ray, ray_init)
 
 
 @dataclass
@@ -56,6 +62,12 @@ class ReliabilityConf:
     """Trajectories of each chaos run (one per transport)."""
     chaos_fault_rate: float = 0.2
     """Per mini-batch probability of each action-driven chaos fault."""
+    handoff_chaos_batches: int = 30
+    """Batches (32 trajectories each) of the Handoff chaos run on each transport."""
+    handoff_load_trajectories: int = 1_000_000
+    """Trajectories through ``knittrans.Handoff`` in process (the RSS claim: <= 32 B per trajectory after warm-up)."""
+    ray_handoff_load_trajectories: int = 20_000
+    """Trajectories through ``knittrans.Handoff`` on Ray (0: not run)."""
     seed: int = 0
 
 
@@ -120,7 +132,8 @@ def chaos_rows(r: ChaosResult, seed: int) -> list[ReliabilityTrial]:
     """One row for the run's accounting, one per fault kind (injected and survived, counted from what fired)."""
     rows = [ReliabilityTrial(seed, "chaos", "chaos", r.transport, "", sum(r.injected.values()),
                              sum(r.survived.values()), r.trajectories, r.lost, r.duplicated, r.corrupted,
-                             wall_s=r.wall_s, note=f"{r.regenerated} orphans discarded and regenerated; controller "
+                             wall_s=r.wall_s, note=(f"ended early: {r.error}; " if r.error else "")
+                             + f"{r.regenerated} orphans discarded and regenerated; controller "
                                                    f"held at most {r.held_max} trajectories between mini-batches; "
                                                    f"{r.released_minibatches} mini-batches released; units empty "
                                                    f"at the end: {r.final_unit_bytes == 0}")]
@@ -129,9 +142,10 @@ def chaos_rows(r: ChaosResult, seed: int) -> list[ReliabilityTrial]:
     return rows
 
 
-def bad_input_rows(seed: int) -> list[ReliabilityTrial]:
+def bad_input_rows(seed: int, transports: tuple[str, ...] = ()) -> list[ReliabilityTrial]:
+    """The catalogue (in process), plus the Handoff's bad inputs on each other transport of ``transports``."""
     rows = []
-    for case in catalogue():
+    for case in catalogue() + [c for tr in transports if tr != "inprocess" for c in handoff_catalogue(tr)]:
         ok, msg = try_case(case)
         rows.append(ReliabilityTrial(seed, "bad_input", case.name, case.category, "input", 1, int(ok),
                                      rejected=int(ok), note=f"{case.error.__name__}: {msg[:160]}"))
@@ -149,6 +163,24 @@ def load_row(ld: LoadResult, cfg: ReliabilityConf) -> ReliabilityTrial:
                                  f"{ld.final_unit_bytes} bytes left")
 
 
+def handoff_load_row(ld: HandoffLoadResult, cfg: ReliabilityConf) -> ReliabilityTrial:
+    ledger = f"; admission ledger held at most {ld.ledger_batches_max} batches" if ld.ledger_batches_max >= 0 else ""
+    return ReliabilityTrial(cfg.seed, "load", "handoff: 2 producers x 2 ranks", ld.transport, "load",
+                            trajectories=ld.trajectories, lost=ld.lost, duplicated=ld.duplicated,
+                            throughput=ld.throughput, held_ratio=ld.held_max / ld.bound_trajectories,
+                            rss_growth_b_per_traj=ld.rss_growth_b_per_traj, peak_rss_growth_mb=ld.peak_rss_growth_mb,
+                            wall_s=ld.wall_s,
+                            note=f"through knittrans.Handoff (KnitTrans admission, checksums on, records_window "
+                                 f"65,536: {ld.records_kept} records kept, staleness mean {ld.staleness_mean:.2f} over "
+                                 f"all); {ld.version} steps; {ld.final_unit_bytes} bytes left{ledger}")
+
+
+def handoff_chaos_on(transport: str, cfg: ReliabilityConf) -> ChaosResult:
+    if transport == "ray":
+        ray_init()
+    return run_handoff_chaos(transport, HandoffChaosConfig(batches=cfg.handoff_chaos_batches, seed=cfg.seed))
+
+
 def trials(cfg: ReliabilityConf) -> list[ReliabilityTrial]:
     rows: list[ReliabilityTrial] = []
     if cfg.runtime_faults:
@@ -156,8 +188,10 @@ def trials(cfg: ReliabilityConf) -> list[ReliabilityTrial]:
     for tr in cfg.transports:
         rows += outcome_rows(dataplane_faults_on(tr), cfg.seed)
         rows += chaos_rows(chaos_on(tr, cfg), cfg.seed)
+        if cfg.handoff_chaos_batches:
+            rows += chaos_rows(handoff_chaos_on(tr, cfg), cfg.seed)
         print(f"reliability: faults and chaos on {tr} done", flush=True)
-    rows += bad_input_rows(cfg.seed)
+    rows += bad_input_rows(cfg.seed, tuple(cfg.transports))
     for tr in cfg.transports:
         if tr == "ray":
             ray_init()
@@ -165,6 +199,12 @@ def trials(cfg: ReliabilityConf) -> list[ReliabilityTrial]:
         ld = load_inprocess(lcfg) if tr == "inprocess" else load_ray(lcfg)
         rows.append(load_row(ld, cfg))
         print(f"reliability: {ld.trajectories:,}-trajectory load on {tr}: {ld.wall_s:.1f} s", flush=True)
+        n = cfg.handoff_load_trajectories if tr == "inprocess" else cfg.ray_handoff_load_trajectories
+        if n:
+            hd = load_handoff(HandoffLoadConfig(trajectories=n), tr)
+            rows.append(handoff_load_row(hd, cfg))
+            print(f"reliability: {hd.trajectories:,}-trajectory load through the Handoff on {tr}: {hd.wall_s:.1f} s",
+                  flush=True)
     return rows
 
 
@@ -196,10 +236,12 @@ def run(cfg: ReliabilityConf) -> dict:
 def gate_trials() -> list[ReliabilityTrial]:
     """CI size, in process only (Ray's chaos run is in tests/e2e/test_reliability_ray.py): the runtime fault
     scenarios (tiny policy), data-plane scenarios, a 1500-trajectory chaos run (controller restarts included), the
-    whole bad-input catalogue and a 20k-trajectory load (~15 s of CPU, most of it the runtime runs; 29-45 s wall
-    measured on 2 shared cores)."""
+    whole bad-input catalogue, a 20k-trajectory load, and through the Handoff a 12-batch chaos run and an
+    8k-trajectory load (~15 s of CPU before issue 29, most of it the runtime runs; 29-45 s wall measured on 2 shared
+    cores then)."""
     cfg = ReliabilityConf(logger="none", load_trajectories=20_000, load_minibatch=500, transports=["inprocess"],
-                          runtime_faults=True, chaos_trajectories=1500, chaos_fault_rate=0.3)
+                          runtime_faults=True, chaos_trajectories=1500, chaos_fault_rate=0.3, handoff_chaos_batches=12,
+                          handoff_load_trajectories=8192)
     return trials(cfg)
 
 

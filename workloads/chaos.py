@@ -78,6 +78,8 @@ class ChaosResult:
     released_minibatches: int = 0
     """Mini-batches released at the end (all of them when every rank's ack survived)."""
     wall_s: float = 0.0
+    error: str = ""
+    """What ended the run early (a Handoff run counts it as every kind not survived instead of raising)."""
 
 
 def expected(t: int) -> dict[str, np.ndarray]:
@@ -338,3 +340,227 @@ def run_chaos(transport: str, build: Callable, restart_unit: Callable, cfg: Chao
             ok[kind] = 0
     dp.close()
     return res
+
+
+# -- through the Handoff (issue 29): what a user of ``knittrans.Handoff`` meets, on both transports ----------------
+
+HANDOFF_KINDS = ("rejected_put_reput", "bad_metadata_refused", "lost_claim_reply_same_incarnation",
+                 "unit_lost_under_consumer", "fetch_timeout_under_stall", "put_after_close")
+CLASSES.update({"rejected_put_reput": "lost_data", "bad_metadata_refused": "corruption",
+                "lost_claim_reply_same_incarnation": "retries", "unit_lost_under_consumer": "lost_data",
+                "fetch_timeout_under_stall": "hang", "put_after_close": "lost_data"})
+
+
+@dataclass
+class HandoffChaosConfig:
+    batches: int = 20
+    prompts: int = 8
+    group_size: int = 4
+    num_minibatches: int = 2
+    fault_rate: float = 0.3
+    """Per put call: probability of a rejected put (re-put at once) and of a rollout with wrong metadata."""
+    seed: int = 0
+    timeout_s: float = 60.0
+    stall_s: float = 20.0
+    """How long the stalled unit read of ``fetch_timeout_under_stall`` hangs (the call must end after 1 s)."""
+
+
+def handoff_rollout(t: int, g: int, b: int, num_tokens: int | None = None):  # noqa: ANN201 - a Rollout
+    """Trajectory ``t`` (group ``g``, batch ``b``) with ``expected(t)``'s tensors; ``num_tokens`` overrides the
+    metadata's response length (a producer that miscounts)."""
+    from knittrans.handoff import Rollout
+    from knittrans.types import Trajectory
+
+    arrs = expected(t)
+    n = arrs["old_logprobs"].shape[0]
+    return Rollout(Trajectory(t, g, b, n if num_tokens is None else num_tokens, v_gen=0), arrs)
+
+
+def run_handoff_chaos(transport: str, cfg: HandoffChaosConfig) -> ChaosResult:
+    """A GRPO run through ``knittrans.Handoff`` (2 units, 2 rank threads iterating their consumers, checksums on,
+    KnitTrans admission) with the faults a Handoff user meets, counted from what fired:
+
+    - ``rejected_put_reput``: a put call the controller refuses (one rollout of an unannounced group) is rolled back
+      and its good rollouts re-put at once (issue 29: on Ray some ended registered but gone);
+    - ``bad_metadata_refused``: a rollout whose ``num_tokens`` disagrees with its tensors is refused by name, and the
+      corrected one put;
+    - ``lost_claim_reply_same_incarnation``: a rank's claim whose reply was lost; the same incarnation's consumer
+      then gets that very share (idempotent claim), never ``AlreadyConsumedError``;
+    - ``unit_lost_under_consumer``: unit u1 dies while the consumers run; the producer re-puts what
+      ``Handoff.missing`` names to u0, and the consumers go on without being rebuilt;
+    - ``fetch_timeout_under_stall`` (a second, small handoff): a unit stalls in a read; ``fetch_next(timeout=1)``
+      ends within a fraction of the stall with ``ReadTimeoutError``, the claim undone, and the retry gets the share;
+    - ``put_after_close``: a put after ``close`` raises ``DataPlaneClosedError``.
+
+    Survived only if every trajectory was trained exactly once with its exact bytes and the units ended empty."""
+    import threading
+
+    from knittrans.dataplane.faults import FaultPlan, UnitLoss
+    from knittrans.dataplane.types import (AdmissionStateError, DataPlaneClosedError, SchemaMismatchError,
+                                           UnitLostError)
+    from knittrans.handoff import Handoff, HandoffConfig, Transport
+    from knittrans.types import BatchPlan, GroupSpec
+
+    rng = np.random.default_rng(cfg.seed)
+    P, N, M = cfg.prompts, cfg.group_size, cfg.num_minibatches
+    n = cfg.batches * P * N
+    res = ChaosResult(f"{transport}/handoff", n, 0, 0, 0, 0, 0)
+    inj, ok = res.injected, res.survived
+    units = (("u0", "n0"), ("u1", "n1"))
+    plan = FaultPlan((UnitLoss("u0", on_put=10**9), UnitLoss("u1", on_put=10**9)))  # wrappers; losses by hand
+    h = Handoff(HandoffConfig.grpo(P, N, M, 8, transport=Transport(transport), units=units, rank_nodes=("n0", "n1"),
+                                   checksums=True, faults=plan, admit_timeout_s=cfg.timeout_s))
+    counts = np.zeros(n, np.int64)
+    corrupted: set[int] = set()
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    t0 = time.perf_counter()
+
+    def train(r: int) -> None:
+        try:
+            consumer = h.consumer(r, count=cfg.batches * M)
+            for share in consumer:
+                for name, f in share.fields.items():
+                    cu = f.cu_seqlens.tolist()
+                    for i, t in enumerate(share.traj_ids):
+                        if not np.array_equal(f.values[cu[i]:cu[i + 1]].numpy(), expected(t)[name]):
+                            corrupted.add(t)
+                with lock:
+                    counts[list(share.traj_ids)] += 1
+                consumer.ack(share)
+            consumer.close()
+        except BaseException as e:  # noqa: BLE001 - re-raised by the driver
+            errors.append(e)
+
+    def lose_u1() -> None:
+        if transport == "inprocess":
+            h.plane.units["u1"].lose()
+        else:
+            import ray
+
+            ray.get(h.plane.unit_actors["u1"].lose.remote(), timeout=30)
+
+    live = {"u0", "u1"}
+
+    def put(unit: str, rollouts: list) -> None:
+        """Put to ``unit`` (u0 once u1 is lost), re-putting what the controller lists as missing after a loss."""
+        for _ in range(3):
+            u = unit if unit in live else "u0"
+            try:
+                h.producer(u).put(rollouts)
+                return
+            except UnitLostError:
+                live.discard(u)
+        raise RuntimeError(f"put to {unit} kept failing")
+
+    def reput_missing() -> None:
+        missing = h.missing()
+        if missing:
+            put("u0", [handoff_rollout(t, t // N, t // (P * N)) for t in missing])
+
+    ranks, first = None, None
+    try:
+        lost_at = int(rng.integers(2, max(3, cfg.batches - 2)))
+        for b in range(cfg.batches):
+            h.add_batch(BatchPlan(b, tuple(GroupSpec(g, b, N) for g in range(b * P, (b + 1) * P))))
+            if b == lost_at:  # the unit dies under running consumers; the producer re-puts, no consumer is rebuilt
+                lose_u1()
+                live.discard("u1")
+                inj["unit_lost_under_consumer"] += 1
+            for i, unit in enumerate(("u0", "u1")):
+                groups = [g for g in range(b * P, (b + 1) * P) if g % 2 == i]
+                for j in range(0, len(groups), 2):
+                    good = [handoff_rollout(g * N + k, g, b) for g in groups[j:j + 2] for k in range(N)]
+                    if rng.random() < cfg.fault_rate:  # one rollout of a group never announced: refused whole
+                        inj["rejected_put_reput"] += 1
+                        stray = handoff_rollout(n + b, 10**6 + b, b)
+                        try:
+                            put(unit, good + [stray])
+                        except AdmissionStateError:
+                            ok["rejected_put_reput"] += 1
+                    if rng.random() < cfg.fault_rate:  # a producer that miscounts the response
+                        inj["bad_metadata_refused"] += 1
+                        t = good[0].traj.traj_id
+                        try:
+                            put(unit, [handoff_rollout(t, good[0].traj.group_id, b, num_tokens=1 + len(
+                                expected(t)["old_logprobs"]))])
+                        except SchemaMismatchError as e:
+                            ok["bad_metadata_refused"] += int(f"trajectory {t}" in str(e))
+                    put(unit, good)
+            if b == lost_at:
+                reput_missing()  # what a read or a put reported lost meanwhile
+            if b == 0:  # the reply of rank 0's first claim is lost; its consumer (same incarnation) claims again
+                inj["lost_claim_reply_same_incarnation"] += 1
+                ctrl = h.plane.controller
+                first = ctrl.claim_next(0, 0, h.plane.schema.names, cfg.timeout_s, ctrl.rank_epoch(0))
+                ranks = [threading.Thread(target=train, args=(r,), daemon=True) for r in range(2)]
+                for th in ranks:
+                    th.start()
+            if errors:
+                raise errors[0]
+        deadline = time.perf_counter() + cfg.timeout_s * 4
+        while h.version < cfg.batches * M and time.perf_counter() < deadline and not errors:
+            reput_missing()  # a loss a read reported after the last put
+            try:
+                h.wait_version(cfg.batches * M, timeout=1.0)
+            except TimeoutError:
+                continue
+        for th in ranks or ():
+            th.join(timeout=cfg.timeout_s)
+        if errors:
+            raise errors[0]
+        if first is not None:
+            trained_first = {t for t in first.traj_ids if counts[t] == 1}
+            ok["lost_claim_reply_same_incarnation"] += int(trained_first == set(first.traj_ids))
+        ok["unit_lost_under_consumer"] += inj["unit_lost_under_consumer"]  # zeroed below unless exact
+        h.wait_drained(timeout=cfg.timeout_s)
+        from workloads.reliability_faults import units_empty
+
+        res.final_unit_bytes = 0 if units_empty(h.plane, timeout=0.0 if transport == "inprocess" else 10.0) else -1
+        res.released_minibatches = h.version
+    except Exception as e:  # noqa: BLE001 - a fault not survived: counted (every kind zeroed below), not raised
+        res.error = f"{type(e).__name__}: {e}"[:300]
+    finally:
+        h.close()
+        res.wall_s = time.perf_counter() - t0
+    inj["put_after_close"] += 1
+    try:
+        h.producer("u0").put([handoff_rollout(0, 0, 0)])
+    except DataPlaneClosedError:
+        ok["put_after_close"] += 1
+    _stalled_fetch(transport, cfg, inj, ok)
+    res.trained = int((counts > 0).sum())
+    res.lost = int((counts == 0).sum())
+    res.duplicated = int(np.clip(counts - 1, 0, None).sum())
+    res.corrupted = len(corrupted)
+    if res.error or res.lost or res.duplicated or res.corrupted or res.final_unit_bytes or \
+            res.released_minibatches != cfg.batches * M:
+        for kind in list(ok):
+            ok[kind] = 0
+    return res
+
+
+def _stalled_fetch(transport: str, cfg: HandoffChaosConfig, inj: Counter, ok: Counter) -> None:
+    """``fetch_timeout_under_stall``: unit u0's first read hangs ``stall_s``; ``fetch_next(timeout=1.0)`` must end well
+    before (``ReadTimeoutError``, the claim undone) and a retry must get the whole share."""
+    from knittrans.dataplane.faults import FaultPlan, SlowGet
+    from knittrans.dataplane.types import ReadTimeoutError
+    from knittrans.handoff import Handoff, HandoffConfig, Transport
+    from knittrans.types import BatchPlan, GroupSpec
+
+    h = Handoff(HandoffConfig.grpo(2, 2, 1, 8, transport=Transport(transport),
+                                   faults=FaultPlan((SlowGet("u0", on_get=1, seconds=cfg.stall_s),))))
+    try:
+        h.add_batch(BatchPlan(0, (GroupSpec(0, 0, 2), GroupSpec(1, 0, 2))))
+        h.producer().put([handoff_rollout(t, t // 2, 0) for t in range(4)])
+        client = h.plane.client()
+        inj["fetch_timeout_under_stall"] += 1
+        t0 = time.perf_counter()
+        try:
+            client.fetch_next(0, 0, timeout=1.0)
+        except ReadTimeoutError:
+            bounded = time.perf_counter() - t0 < cfg.stall_s / 2  # against the injected stall, not a speed
+            share = client.fetch_next(0, 0, timeout=cfg.timeout_s)  # the claim was undone: the retry gets it all
+            ok["fetch_timeout_under_stall"] += int(bounded and share.traj_ids == (0, 1, 2, 3))
+    finally:
+        h.close()

@@ -35,6 +35,8 @@ class BadInputCase:
 class Case:
     bad: Callable[[], object]
     after: Callable[[], None]
+    close: Callable[[], None] | None = None
+    """Releases what the case built (a handoff), whatever happened."""
 
 
 def _text_plane(n: int = 8, checksums: bool = False, faults=None):  # noqa: ANN202
@@ -159,7 +161,7 @@ def catalogue() -> list[BadInputCase]:
         dp.client().admit(mb)
         return Case(lambda: dp.client().fetch(mb, 0), lambda: dp.client().fetch(mb, 0))
 
-    return _issue13_cases() + [
+    return _issue13_cases() + handoff_catalogue("inprocess") + _handoff_config_cases() + [
         BadInputCase("wrong_dtype", "trajectory", SchemaMismatchError, r"trajectory 50: field 'old_logprobs' has dtype "
                      r"float64", _dp_case(lambda g: _payload(50, _tensors(g, old_logprobs=g[0].tensors[
                          "old_logprobs"].astype(np.float64)))), dp_tests),
@@ -313,7 +315,7 @@ def _issue13_cases() -> list[BadInputCase]:
     ]
 
 
-CATALOGUE_NAMES = ("trajectory", "image", "constraints", "transport", "fetch", "minibatch")
+CATALOGUE_NAMES = ("trajectory", "image", "constraints", "transport", "fetch", "minibatch", "handoff")
 
 
 def try_case(case: BadInputCase) -> tuple[bool, str]:
@@ -332,5 +334,132 @@ def try_case(case: BadInputCase) -> tuple[bool, str]:
         return True, msg
     except Exception as e:  # noqa: BLE001
         return False, f"wrong error {type(e).__name__}: {e}"
+    finally:
+        if c.close is not None:
+            c.close()
     return False, "accepted"
 
+
+
+# -- the Handoff's own surface (issue 29): bad arguments and puts a Handoff user can make --------------------------
+
+
+def _handoff_config_cases() -> list[BadInputCase]:
+    """``HandoffConfig`` arguments accepted before and failing later (one at the first admission, leaving the
+    controller failed): each refused at construction, naming the argument."""
+    from knittrans.handoff import HandoffConfig
+
+    def config(**kw):  # noqa: ANN003, ANN202
+        return _raises_only(lambda: HandoffConfig.grpo(2, 2, 1, 8, **kw))
+
+    return [
+        BadInputCase("handoff_negative_balance_slack", "handoff", ValueError,
+                     r"HandoffConfig.balance_slack must be a finite number >= 0.0, got -1", config(balance_slack=-1),
+                     "tests/e2e/test_handoff_surface.py::test_a_bad_handoff_config_is_refused_at_construction_naming_"
+                     "the_argument"),
+        BadInputCase("handoff_negative_admit_timeout", "handoff", ValueError,
+                     r"HandoffConfig.admit_timeout_s must be a finite number > 0.0 or None, got -5",
+                     config(admit_timeout_s=-5)),
+        BadInputCase("handoff_fractional_prefetch_depth", "handoff", TypeError,
+                     r"HandoffConfig.prefetch_depth must be an int, got float 2.5", config(prefetch_depth=2.5)),
+    ]
+
+
+def handoff_catalogue(transport: str) -> list[BadInputCase]:
+    """Bad calls on a built ``Handoff`` of ``transport`` (names end in ``/ray`` on Ray): multimodal rollouts the text
+    handoff refuses (NaN log-probs, inf advantages, response fields of different lengths), ``num_tokens`` that
+    disagrees with the tensors, consumer arguments of the wrong kind, and a put after close. Each case's after-check
+    trains what was put before it and compares every byte."""
+    from knittrans.dataplane.types import DataPlaneClosedError, FieldNotProducedError, SchemaMismatchError
+
+    sfx = "" if transport == "inprocess" else f"/{transport}"
+    cov = "tests/e2e/test_handoff_surface.py"
+    mm = lambda bad: _handoff_case(transport, lambda h: h.put([bad()]), multimodal=True)  # noqa: E731
+
+    def mm_bad(**over):  # noqa: ANN003, ANN202 - trajectory 3 with some tensors replaced
+        return lambda: _mm_rollout(3, over)
+
+    n3 = len(_expected(3)["old_logprobs"])
+    return [
+        BadInputCase(f"mm_nan_logprobs{sfx}", "handoff", SchemaMismatchError,
+                     r"trajectory 3: field 'old_logprobs' holds 1 non-finite",
+                     mm(mm_bad(old_logprobs=np.array([np.nan] + [-0.5] * (n3 - 1), np.float32))), cov),
+        BadInputCase(f"mm_inf_advantages{sfx}", "handoff", SchemaMismatchError,
+                     r"trajectory 3: field 'advantages' holds \d+ non-finite",
+                     mm(mm_bad(advantages=np.full(n3, np.inf, np.float32))), cov),
+        BadInputCase(f"mm_mismatched_response_lengths{sfx}", "handoff", SchemaMismatchError,
+                     r"trajectory 3: fields of mismatched length", mm(mm_bad(loss_mask=np.ones(n3 + 2, bool))), cov),
+        BadInputCase(f"num_tokens_disagrees_with_tensors{sfx}", "handoff", SchemaMismatchError,
+                     rf"trajectory 3: Trajectory.num_tokens=1 disagrees with its tensors: field 'old_logprobs' has "
+                     rf"{n3} rows", _handoff_case(transport, lambda h: h.put([_text_rollout(3, num_tokens=1)])), cov),
+        BadInputCase(f"consumer_fields_bare_str{sfx}", "handoff", TypeError,
+                     r"consumer fields must be a sequence of field names, e.g. \('input_ids',\), got the str",
+                     _handoff_case(transport, lambda h: h.consumer(0, fields="input_ids")), cov),
+        BadInputCase(f"consumer_unknown_field{sfx}", "handoff", FieldNotProducedError,
+                     r"consumer fields \['pixels'\] are not in the schema",
+                     _handoff_case(transport, lambda h: h.consumer(0, fields=["pixels"])), cov),
+        BadInputCase(f"consumer_negative_start_seq{sfx}", "handoff", ValueError, r"Consumer.start_seq must be >= 0",
+                     _handoff_case(transport, lambda h: h.consumer(0, start_seq=-1)), cov),
+        BadInputCase(f"consumer_negative_count{sfx}", "handoff", ValueError, r"Consumer.count must be >= 0 or None",
+                     _handoff_case(transport, lambda h: h.consumer(0, count=-1)), cov),
+        BadInputCase(f"put_after_close{sfx}", "handoff", DataPlaneClosedError, r"the handoff is closed",
+                     _handoff_case(transport, lambda h: (h.close(), h.put([_text_rollout(3)])), closes=True), cov),
+    ]
+
+
+def _expected(t: int) -> dict[str, np.ndarray]:
+    from workloads.chaos import expected
+
+    return expected(t)
+
+
+def _text_rollout(t: int, num_tokens: int | None = None):  # noqa: ANN202
+    from workloads.chaos import handoff_rollout
+
+    return handoff_rollout(t, t // 2, 0, num_tokens)
+
+
+def _mm_rollout(t: int, over: dict | None = None):  # noqa: ANN202 - trajectory t with its group's image
+    import torch
+
+    from knittrans.handoff import Rollout
+
+    r = _text_rollout(t)
+    img = torch.arange(16 * 12, dtype=torch.float32).reshape(16, 12) / 7 + t // 2
+    return Rollout(r.traj, {**r.tensors, **(over or {})}, images=(img,), grids=((1, 4, 4),))
+
+
+def _handoff_case(transport: str, bad, multimodal: bool = False, closes: bool = False):  # noqa: ANN001, ANN202
+    """A handoff (one unit, one rank, one batch of 4 trajectories in 1 mini-batch, checksums on) holding trajectories
+    0-2; ``bad(h)`` is the malformed call; the after-check puts trajectory 3 and trains all four byte-exactly (or,
+    for a case that closes the handoff, checks the unit holds nothing of the refused put)."""
+    def setup() -> Case:
+        from knittrans.handoff import Handoff, HandoffConfig, Transport
+        from knittrans.types import BatchPlan, GroupSpec
+
+        h = Handoff(HandoffConfig.grpo(2, 2, 1, 8, transport=Transport(transport), multimodal=multimodal,
+                                       checksums=True, admit_timeout_s=60.0))
+        h.add_batch(BatchPlan(0, (GroupSpec(0, 0, 2), GroupSpec(1, 0, 2))))
+        h.seal()
+        roll = _mm_rollout if multimodal else _text_rollout
+        h.put([roll(t) for t in range(3)])
+
+        def after() -> None:
+            if closes:
+                return  # closed by the case: the refused put reached no unit (DataPlaneClosedError before it)
+            h.put([roll(3)])
+            c = h.consumer(0)
+            (share,) = c.take(1)
+            for name, f in share.fields.items():
+                if name == "image_index":
+                    continue
+                cu = f.cu_seqlens.tolist()
+                for i, t in enumerate(share.traj_ids):
+                    if not np.array_equal(f.values[cu[i]:cu[i + 1]].numpy(), _expected(t)[name]):
+                        raise AssertionError(f"trajectory {t} field {name} changed after a rejected call")
+            if sorted(share.traj_ids) != [0, 1, 2, 3]:
+                raise AssertionError(f"trained {share.traj_ids}, not trajectories 0-3")
+            c.ack(share)
+
+        return Case(lambda: bad(h), after, h.close)
+    return setup

@@ -84,6 +84,17 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+def _guarded(fn: Callable[[], None], errors: list[BaseException]) -> Callable[[], None]:
+    """``fn`` for a worker thread: an error is appended to ``errors`` (the driver re-raises it) instead of dying with
+    the thread."""
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised by the driver
+            errors.append(e)
+    return run
+
+
 def _plan(n: int, mb: int) -> list[tuple[int, ...]]:
     return [tuple(range(k * mb, min(n, (k + 1) * mb))) for k in range(-(-n // mb))]
 
@@ -116,12 +127,7 @@ def load_inprocess(cfg: LoadConfig) -> LoadResult:
     errors: list[BaseException] = []
 
     def guard(fn):  # noqa: ANN001, ANN202
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as e:  # noqa: BLE001 - re-raised by the driver below
-                errors.append(e)
-        return run
+        return _guarded(fn, errors)
 
     def consume(r: int) -> None:
         for share in Prefetcher(dp.client(), r, None, PrefetchConfig(depth=1, admit_timeout_s=300), count=len(mbs)):
@@ -270,3 +276,148 @@ def ray_init() -> None:
         ray.init(address="local", include_dashboard=False, num_cpus=4, log_to_driver=False, configure_logging=False)
 
 
+
+
+# -- load through the Handoff (issue 29): the admission policy, records and the consumers' acks included -----------
+
+
+@dataclass
+class HandoffLoadConfig:
+    """One load through ``knittrans.Handoff``: GRPO batches of ``prompts`` x ``group_size`` admitted by KnitTrans's
+    policy in ``num_minibatches`` mini-batches, ``producers`` rollout threads (one unit each), ``ranks`` consumers."""
+
+    trajectories: int = 1_000_000
+    prompts: int = 32
+    group_size: int = 8
+    num_minibatches: int = 4
+    max_response_len: int = 8
+    producers: int = 2
+    ranks: int = 2
+    window: int = 2
+    """Batches announced ahead of the trainer: batch b is announced (and put) once batch b - window is trained."""
+    checksums: bool = True
+    records_window: int | None = 65_536
+    """``HandoffConfig.records_window`` (the default): what keeps the controller flat."""
+
+
+@dataclass
+class HandoffLoadResult:
+    transport: str
+    trajectories: int
+    lost: int
+    duplicated: int
+    wall_s: float
+    throughput: float
+    version: int
+    final_unit_bytes: int
+    records_kept: int
+    staleness_mean: float
+    held_max: int
+    """Most trajectories with live controller metadata after warm-up."""
+    bound_trajectories: int
+    """What the announcement window lets be in flight: (window + 1) batches."""
+    ledger_batches_max: int = -1
+    """Most batches the admission ledger held after warm-up (in process; finished batches are forgotten)."""
+    rss_growth_b_per_traj: float = float("nan")
+    """Process RSS growth (``/proc/self/statm``) from warm-up (10% of the batches) to the end, per trajectory put after
+    warm-up: controller, policy, units, producers and consumers all live in this process."""
+    peak_rss_growth_mb: float = float("nan")
+
+
+def _handoff_rollout(t: int, g: int, b: int, v_gen: int):  # noqa: ANN202 - a Rollout; tensors: a function of the id
+    from knittrans.handoff import Rollout
+    from knittrans.types import Trajectory
+
+    n = 1 + t % 8
+    return Rollout(Trajectory(t, g, b, n, v_gen=v_gen),
+                   {"input_ids": np.arange(t, t + n + 4, dtype=np.int64), "old_logprobs": np.full(n, -1.0, np.float32),
+                    "advantages": np.ones(n, np.float32), "loss_mask": np.ones(n, bool)})
+
+
+def load_handoff(cfg: HandoffLoadConfig, transport: str = "inprocess") -> HandoffLoadResult:
+    """Producer threads put rollouts through ``Handoff.producer``; the controller's policy admits; consumer threads
+    iterate ``Handoff.consumer`` and ack; the driver announces each batch once the one ``window`` before it is
+    trained. Exact accounting (preallocated delivery counts), units empty at the end, and, in process, RSS growth."""
+    from knittrans.handoff import Handoff, HandoffConfig, Transport
+    from knittrans.types import BatchPlan, GroupSpec
+
+    B = cfg.prompts * cfg.group_size
+    batches = -(-cfg.trajectories // B)
+    n = batches * B
+    units = tuple((f"u{p}", f"n{p}") for p in range(cfg.producers))
+    h = Handoff(HandoffConfig.grpo(cfg.prompts, cfg.group_size, cfg.num_minibatches, cfg.max_response_len,
+                                   transport=Transport(transport), units=units,
+                                   rank_nodes=tuple(f"n{r % cfg.producers}" for r in range(cfg.ranks)),
+                                   checksums=cfg.checksums, records_window=cfg.records_window, admit_timeout_s=300.0))
+    announced = [threading.Event() for _ in range(batches)]
+    delivered = [np.zeros(n, np.uint8) for _ in range(cfg.ranks)]
+    errors: list[BaseException] = []
+
+    def guard(fn):  # noqa: ANN001, ANN202
+        return _guarded(fn, errors)
+
+    def produce(p: int) -> None:
+        producer = h.producer(f"u{p}")
+        for b in range(batches):
+            while not announced[b].wait(1.0):
+                if errors:
+                    return
+            groups = [g for g in range(b * cfg.prompts, (b + 1) * cfg.prompts) if g % cfg.producers == p]
+            v_gen = max(0, (b - cfg.window) * cfg.num_minibatches)  # the version trained when b was announced
+            for i in range(0, len(groups), 8):  # 8 groups per put call
+                producer.put([_handoff_rollout(g * cfg.group_size + j, g, b, v_gen) for g in groups[i:i + 8]
+                              for j in range(cfg.group_size)])
+
+    def consume(r: int) -> None:
+        consumer = h.consumer(r, count=batches * cfg.num_minibatches)
+        for share in consumer:
+            delivered[r][np.asarray(share.traj_ids, dtype=np.int64)] += 1
+            consumer.ack(share)
+        consumer.close()
+
+    threads = [threading.Thread(target=guard(lambda p=p: produce(p)), daemon=True) for p in range(cfg.producers)]
+    threads += [threading.Thread(target=guard(lambda r=r: consume(r)), daemon=True) for r in range(cfg.ranks)]
+    local = transport == "inprocess"
+    rss0 = rss_bytes()
+    t0 = time.perf_counter()
+    for th in threads:
+        th.start()
+    warm = max(1, batches // 10)
+    rss_warm, held, ledger_max = 0, 0, -1
+    M = cfg.num_minibatches
+    try:
+        for b in range(batches):
+            if b >= cfg.window:
+                h.wait_version((b - cfg.window) * M, timeout=300)
+            if errors:
+                raise errors[0]
+            h.add_batch(BatchPlan(b, tuple(GroupSpec(g, b, cfg.group_size)
+                                           for g in range(b * cfg.prompts, (b + 1) * cfg.prompts))))
+            announced[b].set()
+            if b == warm:
+                rss_warm = rss_bytes()
+            if b >= warm and b % 16 == 0:
+                held = max(held, h.stats()[0].held)
+                if local:
+                    ledger_max = max(ledger_max, len(h.plane.controller.policy.ledger.batches))
+        h.seal()
+        for th in threads:
+            th.join(timeout=600)
+        if errors:
+            raise errors[0]
+        wall = time.perf_counter() - t0
+        version = h.wait_version(batches * M, timeout=120)
+        rss_end = rss_bytes()
+        h.wait_drained(timeout=60)
+        units_empty(h.plane, timeout=0.0 if local else 10.0)
+        final = sum(s.nbytes for s in h.stats()[1])
+        kept, stale = len(h.records()), h.staleness().mean
+    finally:
+        h.close()
+    total = sum(d.astype(np.int64) for d in delivered)
+    lost, dup = int((total == 0).sum()), int(np.clip(total - 1, 0, None).sum())
+    after = (batches - warm) * B
+    return HandoffLoadResult(transport, n, lost, dup, wall, n / wall, version, final, kept, stale, held,
+                             (cfg.window + 1) * B, ledger_max,
+                             (rss_end - rss_warm) / max(1, after) if local else float("nan"),
+                             (peak_rss_bytes() - rss0) / 2**20 if local else float("nan"))

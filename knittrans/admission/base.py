@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, runtime_checkable
 
 from knittrans.admission.feasibility import Unit, check_plan
+from knittrans.dataplane.idset import IdRanges
 from knittrans.constraints import BatchConstraints
 from knittrans.types import BatchPlan, GroupSpec, MiniBatch, Trajectory
 
@@ -112,7 +113,12 @@ class BatchState:
 
 
 class BatchLedger:
-    """Batches, groups and trajectories received so far, with validation and consumption bookkeeping."""
+    """Batches, groups and trajectories received so far, with validation and consumption bookkeeping.
+
+    Bounded memory: a batch whose M mini-batches are all committed is forgotten (``finish``): its state, groups and
+    trajectory objects go, and what validation still needs of it stays as id ranges (its batch id, group ids and
+    trajectory ids: a late duplicate or a re-announcement is still refused by name). A long run's ledger holds the
+    batches in flight, not every batch it ever trained (~400 B per trajectory before)."""
 
     def __init__(self, constraints: BatchConstraints,
                  oracle_tokens: Callable[[int], int] | None = None) -> None:
@@ -121,6 +127,10 @@ class BatchLedger:
         self.order: deque[int] = deque()  # batch ids not yet fully committed, in training order
         self._group_batch: dict[int, int] = {}
         self._traj_ids: set[int] = set()
+        self._last_batch: int | None = None  # the highest batch id added (batches come in increasing order)
+        self._finished_batches = IdRanges()  # batches forgotten by ``finish``: their ids, groups, trajectories
+        self._finished_groups = IdRanges()
+        self._finished_trajs = IdRanges()
         self._seq = itertools.count()
         # Clairvoyant bound only: the true token count of an in-flight group (by group id), in place of the
         # max_response_len upper bound.
@@ -133,15 +143,18 @@ class BatchLedger:
     # -- messages --------------------------------------------------------------------------------------------
 
     def add_batch(self, plan: BatchPlan) -> None:
-        if plan.batch_id in self.batches:
+        if plan.batch_id in self.batches or plan.batch_id in self._finished_batches:
             raise AdmissionError(f"batch {plan.batch_id} was already added")
-        if self.batches and plan.batch_id < max(self.batches):
-            raise AdmissionError(f"batch {plan.batch_id} added after batch {max(self.batches)}: batches are "
+        if self._last_batch is not None and plan.batch_id < self._last_batch:
+            raise AdmissionError(f"batch {plan.batch_id} added after batch {self._last_batch}: batches are "
                                  f"trained in the order they are added")
         for g in plan.groups:
             if g.group_id in self._group_batch:
                 raise AdmissionError(f"group {g.group_id} of batch {plan.batch_id} already belongs to batch "
                                      f"{self._group_batch[g.group_id]}")
+            if g.group_id in self._finished_groups:
+                raise AdmissionError(f"group {g.group_id} of batch {plan.batch_id} already belonged to a trained "
+                                     f"batch (group ids are never reused)")
         check_plan(self.c, plan)
         b = BatchState(plan, {g.group_id: GroupState(g) for g in plan.groups})
         b.pending = dict(b.groups)
@@ -153,6 +166,7 @@ class BatchLedger:
         if not self.c.whole_groups:
             b.pending_sizes[1] = b.pending_size
         self.batches[plan.batch_id] = b
+        self._last_batch = plan.batch_id
         self.order.append(plan.batch_id)
         for g in plan.groups:
             self._group_batch[g.group_id] = plan.batch_id
@@ -164,11 +178,14 @@ class BatchLedger:
             raise AdmissionError(f"expected a Trajectory, got {type(t).__name__}")
         b = self.batches.get(t.batch_id)
         if b is None:
+            if t.batch_id in self._finished_batches:
+                raise AdmissionError(f"trajectory {t.traj_id}: batch {t.batch_id} is finished (all its mini-batches "
+                                     f"were committed); it takes no more trajectories")
             raise AdmissionError(f"trajectory {t.traj_id}: batch {t.batch_id} is unknown (add_batch first)")
         g = b.groups.get(t.group_id)
         if g is None:
             raise AdmissionError(f"trajectory {t.traj_id}: group {t.group_id} is unknown to batch {t.batch_id}")
-        if t.traj_id in self._traj_ids:
+        if t.traj_id in self._traj_ids or t.traj_id in self._finished_trajs:
             raise AdmissionError(f"duplicate trajectory id {t.traj_id}")
         arrived, size, n = g.arrived, g.spec.size, t.num_tokens
         if len(arrived) >= size:
@@ -295,8 +312,26 @@ class BatchLedger:
         if b.committed == self.c.num_minibatches:
             assert len(b.consumed_traj) == b.plan.num_trajectories or violations, \
                 f"batch {b.plan.batch_id} finished with unconsumed trajectories"
-            self.order.popleft()
+            self.finish(b)
         return mb
+
+    def finish(self, b: BatchState) -> None:
+        """Batch ``b`` will commit nothing more (its M mini-batches are committed, or a policy ended it short):
+        take it off the order and forget its state, keeping its ids for validation (see the class doc)."""
+        bid = b.plan.batch_id
+        if self.order and self.order[0] == bid:
+            self.order.popleft()
+        elif bid in self.order:
+            self.order.remove(bid)
+        self.batches.pop(bid, None)
+        self._finished_batches.update((bid,))
+        gids = [g.group_id for g in b.plan.groups]
+        for gid in gids:
+            self._group_batch.pop(gid, None)
+        self._finished_groups.update(gids)
+        arrived = [t.traj_id for g in b.groups.values() for t in g.arrived]
+        self._traj_ids.difference_update(arrived)
+        self._finished_trajs.update(arrived)
 
 
 class LedgerPolicy:

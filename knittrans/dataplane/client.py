@@ -25,6 +25,7 @@ Example (in-process)::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import threading
 import time
@@ -35,9 +36,9 @@ import numpy as np
 
 from knittrans.dataplane import trace
 from knittrans.dataplane.buffers import BufferPool, aligned, copy_rows, process_pool
-from knittrans.dataplane.types import (AdmittedMiniBatch, DataPlaneError, MiniBatchKey, PackedField,
-                                       PackedShare, PutRecord, SchemaMismatchError, ShareLocation, ShareRuns,
-                                       ShareTooLargeError, TrajectoryPayload, TrajectorySchema, UnitChunk,
+from knittrans.dataplane.types import (AdmittedMiniBatch, DataPlaneClosedError, DataPlaneError, MiniBatchKey,
+                                       PackedField, PackedShare, PutRecord, SchemaMismatchError, ShareLocation,
+                                       ShareRuns, ShareTooLargeError, TrajectoryPayload, TrajectorySchema, UnitChunk,
                                        UnitLostError)
 from knittrans.types import MiniBatch
 
@@ -70,17 +71,31 @@ class ControllerAPI(Protocol):
 
 
 class UnitAPI(Protocol):
-    """What a client needs from a storage unit; ``StorageUnit`` and the Ray proxy implement it."""
+    """What a client needs from a storage unit; ``StorageUnit`` and the Ray proxy implement it. ``drop`` may return
+    before the unit has dropped (the Ray proxy's is fire-and-forget, off the critical path); a unit whose ``drop`` is
+    asynchronous also has ``drop_sync``, which returns once it has (``drop_confirmed``)."""
 
     def put(self, payloads: Sequence[TrajectoryPayload]) -> list[PutRecord]: ...
     def get(self, traj_ids: Sequence[int], fields: Sequence[str]) -> UnitChunk: ...
     def drop(self, traj_ids: Sequence[int], fields: Sequence[str] | None = None) -> int: ...
 
 
+def drop_confirmed(unit: UnitAPI, traj_ids: Sequence[int], fields: Sequence[str] | None = None) -> None:
+    """Drop and return only once the unit has dropped: what a rollback or a ``discard`` needs, because the same
+    trajectories may be put again right after (a drop still in flight on a threaded Ray unit actor could land after
+    that re-put and take the new fields with it: registered at the controller, gone from the unit). In process a
+    unit's ``drop`` is synchronous already; the Ray proxy's ``drop_sync`` waits for the unit's answer."""
+    sync = getattr(unit, "drop_sync", None)
+    (sync if sync is not None else unit.drop)(traj_ids, fields)
+
+
 class UnitGetter(Protocol):
     """Reads chunks from several units at once (the Ray transport issues every get before waiting on any), and
     resolves a share's sources (``resolve``: in process the sources are the arrays; on Ray one ``ray.get`` of
-    their object refs, no unit call)."""
+    their object refs, no unit call). A frozen dataclass whose ``read_timeout_s`` is the deadline of one share's
+    reads (a call with a shorter bound reads through a copy with less: ``DataPlaneClient.fetch_next``)."""
+
+    read_timeout_s: float | None
 
     def __call__(self, requests: Sequence[tuple[str, tuple[int, ...]]], fields: Sequence[str],
                  unit_args: Mapping[str, tuple] | None = None) -> list[UnitChunk]: ...
@@ -319,13 +334,14 @@ class DataPlaneClient:
             raise
         try:
             skipped = self.controller.register(records)
-        except DataPlaneError:
-            # The unit accepted fields the controller refuses (e.g. the trajectory lives on another unit):
-            # take back exactly what this call added, so nothing stale stays behind.
+        except (DataPlaneError, DataPlaneClosedError):
+            # The unit accepted fields the controller refuses (e.g. the trajectory lives on another unit, or the
+            # plane is closed): take back exactly what this call added, so nothing stale stays behind -- and wait
+            # for it, so that a re-put the producer sends next cannot be overtaken by this drop.
             for r in records:
                 added = [f.name for f in r.fields if f.name not in r.repeated]
                 if added:
-                    self.units[unit_id].drop([r.traj_id], added)
+                    drop_confirmed(self.units[unit_id], [r.traj_id], added)
             raise
         if skipped:  # re-puts of lost trajectories that were consumed meanwhile: not needed
             self.units[unit_id].drop(skipped)
@@ -336,7 +352,7 @@ class DataPlaneClient:
         again (``Controller.discard``)."""
         for unit_id, ts in self.controller.discard(traj_ids):
             if unit_id in self.units:
-                self.units[unit_id].drop(ts)
+                drop_confirmed(self.units[unit_id], ts)  # the regenerated ids may be put again at once
 
     # -- admission -------------------------------------------------------------------------------------------
 
@@ -361,9 +377,15 @@ class DataPlaneClient:
         return self._deliver(loc, t0, ack)
 
     def fetch_next(self, seq: int, rank: int, fields: Sequence[str] | None = None,
-                   timeout: float | None = None, ack: bool = True, epoch: int | None = None) -> PackedShare:
-        """Rank ``rank``'s share of the ``seq``-th admitted mini-batch, waiting (up to ``timeout``) for its
-        admission; ``TimeoutError`` (nothing claimed) if it is not admitted in time. What the prefetcher runs."""
+                   timeout: float | None = None, ack: bool = True, epoch: int | None = None,
+                   bound_reads: bool = True) -> PackedShare:
+        """Rank ``rank``'s share of the ``seq``-th admitted mini-batch, waiting for its admission. ``timeout``
+        bounds the whole call: the wait (``TimeoutError``, nothing claimed, if it is not admitted in time) and then
+        the share's reads, within what is left of it or the plane's read deadline, whichever is shorter
+        (``ReadTimeoutError`` past it, the claim undone: a unit stalled in a read costs the caller its timeout, not
+        the 300 s read deadline). ``bound_reads=False``: ``timeout`` bounds only the wait and the reads keep the
+        plane's deadline (the prefetcher, whose waits are sliced). ``epoch``: the rank's incarnation; a retry of a
+        claim whose reply was lost then gets the same share (``Controller.claim``)."""
         names = tuple(fields) if fields is not None else self.schema.names
         if not isinstance(rank, int) or isinstance(rank, bool):
             raise SchemaMismatchError(f"rank must be an int, got {rank!r}")
@@ -371,7 +393,8 @@ class DataPlaneClient:
             raise SchemaMismatchError(f"seq must be an int >= 0 (the admission order), got {seq!r}")
         t0 = time.perf_counter()
         loc = self.controller.claim_next(seq, rank, names, timeout, epoch)
-        return self._deliver(loc, t0, ack)
+        deadline = t0 + timeout if timeout is not None and bound_reads else None
+        return self._deliver(loc, t0, ack, deadline=deadline)
 
     def thread_timing(self) -> FetchTiming | None:
         """The timing of this thread's last fetch, taken once (a prefetcher's workers fetch concurrently; the
@@ -434,21 +457,23 @@ class DataPlaneClient:
         return self.pool
 
     def _deliver(self, loc: ShareLocation, t0: float, ack: bool = True, claim_s: float | None = None,
-                 asked_at: float | None = None) -> PackedShare:
+                 asked_at: float | None = None, deadline: float | None = None) -> PackedShare:
         """Read a claimed share, verify and pack it, ack it (after which fully consumed trajectories are dropped at
         their units). A share with runs (``loc.runs``) is read straight from its sources, no unit call; any other
-        through its units. A failed read or check undoes the claim before re-raising."""
+        through its units. A failed read or check undoes the claim before re-raising. ``deadline``
+        (``time.perf_counter``): the reads end by then at the latest (``ReadTimeoutError``)."""
         rec = trace.active()  # None unless a multi-node run records this process (knittrans.dataplane.trace)
         key = f"r{loc.rank}/s{loc.seq}"
         direct = loc.runs is not None and self.prepare.direct_reads
+        getter = self._getter_by(deadline)
         try:
             with trace.keyed(key) if rec is not None else contextlib.nullcontext():
                 if direct:
                     t1 = time.perf_counter()
-                    objects = self._resolve(loc.runs)
+                    objects = self._resolve(loc.runs, getter)
                     t2 = time.perf_counter()
                 else:
-                    chunks, t1, t2 = self._read(loc)
+                    chunks, t1, t2 = self._read(loc, getter)
         except DataPlaneError as e:
             if isinstance(e, UnitLostError):
                 self.controller.lose_unit(e.unit_id)  # whoever sees a unit die reports it (idempotent)
@@ -495,10 +520,20 @@ class DataPlaneClient:
         """Pack a share read straight from its sources (``pack_runs``; ``MMClient`` adds the distinct images)."""
         return pack_runs(loc, objects, self.schema, self.prepare, self.pack_pool())
 
-    def _resolve(self, runs: ShareRuns) -> Sequence[Sequence[np.ndarray]]:
+    def _getter_by(self, deadline: float | None) -> UnitGetter | None:
+        """This client's getter, or a copy whose read deadline ends at ``deadline`` when that comes first."""
+        if deadline is None or self.getter is None or not dataclasses.is_dataclass(self.getter):
+            return self.getter
+        left = max(0.0, deadline - time.perf_counter())
+        current = self.getter.read_timeout_s
+        if current is not None and current <= left:
+            return self.getter
+        return dataclasses.replace(self.getter, read_timeout_s=left)
+
+    def _resolve(self, runs: ShareRuns, getter: UnitGetter | None = None) -> Sequence[Sequence[np.ndarray]]:
         """The arrays of each of the share's sources: in process the sources themselves; on Ray one ``ray.get``
         (``ParallelRayGetter.resolve``)."""
-        resolve = getattr(self.getter, "resolve", None)
+        resolve = getattr(getter if getter is not None else self.getter, "resolve", None)
         return runs.sources if resolve is None else resolve(runs)
 
     def _unit_args(self, loc: ShareLocation) -> Mapping[str, tuple] | None:
@@ -506,16 +541,17 @@ class DataPlaneClient:
         images each unit ships)."""
         return None
 
-    def _read(self, loc: ShareLocation) -> tuple[list[UnitChunk], float, float]:
+    def _read(self, loc: ShareLocation, getter: UnitGetter | None = None) -> tuple[list[UnitChunk], float, float]:
         """The share's chunks from its units (all requested at once), checked against the claim's checksums."""
+        getter = getter if getter is not None else self.getter
         t1 = time.perf_counter()
         requests: dict[str, list[int]] = {}
         for t, u in zip(loc.traj_ids, loc.unit_ids):
             requests.setdefault(u, []).append(t)
         reqs = [(u, tuple(ts)) for u, ts in requests.items()]
         args = self._unit_args(loc)
-        if self.getter is not None:
-            chunks = self.getter(reqs, loc.fields) if args is None else self.getter(reqs, loc.fields, args)
+        if getter is not None:
+            chunks = getter(reqs, loc.fields) if args is None else getter(reqs, loc.fields, args)
         else:
             chunks = [self.units[u].get(ts, loc.fields, *(args or {}).get(u, ())) for u, ts in reqs]
         if loc.checksums:

@@ -46,7 +46,7 @@ from knittrans.dataplane.types import (AdmissionStateError, AdmittedMiniBatch, A
                                        EndOfStream, FencedError, FieldNotProducedError, MiniBatchKey, PutRecord,
                                        ShareLocation, ShareRuns, TrajectorySchema, UnknownMiniBatchError)
 from knittrans.dataplane.types import ControllerStats  # noqa: F401 - re-exported: the controller's counts
-from knittrans.types import BatchPlan, MiniBatch, Trajectory
+from knittrans.types import BatchPlan, MiniBatch, Trajectory, require_int, require_real
 
 if TYPE_CHECKING:  # the admission package is only needed when a policy is passed in
     from knittrans.admission.base import AdmissionPolicy
@@ -71,6 +71,9 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         if not self.rank_nodes:
             raise ValueError("ControllerConfig.rank_nodes must name at least one rank's node")
+        # checked here, not at the first admission (where a bad slack used to fail the controller for good)
+        require_real("ControllerConfig", "balance_slack", self.balance_slack, 0.0)
+        require_int("ControllerConfig", "records_window", self.records_window, 0, optional=True)
 
 
 @dataclass
@@ -95,6 +98,9 @@ class _MiniBatchState:
     released: bool = False
     t_admit: float = 0.0  # seconds since the controller started
     restored: bool = False  # rebuilt after a controller restart: its claims were not journaled (see ``ack``)
+    claimers: dict[int, int] = field(default_factory=dict)
+    """rank -> the incarnation (``rank_epoch``) whose fenced claim holds the rank's share: a retry of that claim by
+    the same incarnation (its reply was lost) gets the same share again (``claim``)."""
 
 
 class Controller:
@@ -162,8 +168,13 @@ class Controller:
         """Record that units hold these fields. All-or-nothing: a duplicate field, or a trajectory whose fields
         would span two units, rejects the whole call. A re-put of a missing trajectory (its unit was lost)
         restores it on the new unit. Returns the ids it did not need: re-puts of trajectories that were
-        consumed in the meantime (the caller drops them from the unit)."""
+        consumed in the meantime (the caller drops them from the unit). A closed controller refuses the call with
+        ``DataPlaneClosedError`` (the put is rolled back at its unit, never silently dropped)."""
         with self._cv:
+            if self._closed:
+                ids = [r.traj_id for r in records][:8]
+                raise DataPlaneClosedError(f"the data plane is closed: put of trajectories {ids} refused (nothing was "
+                                           f"registered; put to a live handoff)")
             records = self._strip_repeats_locked(records)
             seen: set[tuple[int, str]] = set()
             # re-puts not needed: trajectories consumed since they went missing (their rank read them before the
@@ -241,6 +252,8 @@ class Controller:
         for r in records:
             st = self._trajs.get(r.traj_id)
             if st is None or st.unit_id != r.unit_id:
+                if st is not None and st.unit_id is None and r.meta is not None and st.meta == r.meta:
+                    r = dataclasses.replace(r, meta=None)  # a lost trajectory's re-put carries its metadata again
                 out.append(r)
                 continue
             rep = {fm.name for fm in r.fields if st.fields.get(fm.name) == fm.nbytes
@@ -318,6 +331,11 @@ class Controller:
             if m.num_tokens > L:
                 raise AdmissionStateError(f"trajectory {r.traj_id}: num_tokens={m.num_tokens} exceeds "
                                           f"max_response_len={L}")
+            # num_tokens against every field known so far (this put's and earlier ones'): records and token budgets
+            # count it, so a metadata that disagrees with the tensors is refused here, by name
+            lengths = {} if st is None else {n: self.schema.rows_of(n, b) for n, b in st.fields.items() if b}
+            lengths.update({fm.name: fm.length for fm in r.fields})
+            self.schema.check_num_tokens(r.traj_id, m.num_tokens, lengths)
         return done
 
     def _registered_locked(self, records: Sequence[PutRecord]) -> None:
@@ -451,7 +469,12 @@ class Controller:
 
     def claim(self, key: MiniBatchKey, rank: int, fields: Sequence[str], epoch: int | None = None) -> ShareLocation:
         """Hand rank ``rank`` the locations of its share's ``fields``, exactly once per (mini-batch, rank,
-        field). ``epoch``: the claimer's incarnation (``rank_epoch``); a superseded one raises ``FencedError``."""
+        field). ``epoch``: the claimer's incarnation (``rank_epoch``); a superseded one raises ``FencedError``.
+
+        Retries: a fenced claim (``epoch`` given) retried by the same incarnation before its ack -- its reply was lost
+        -- gets the same share again (idempotent: nothing more is claimed, and the incarnation decides it never got
+        the first reply). A second claim without an epoch, by another incarnation, or after the ack raises
+        ``AlreadyConsumedError`` (exactly-once delivery)."""
         with self._cv:
             self._check_epoch(rank, epoch, f"claim of {key}")
             st = self._mbs.get(key)
@@ -479,11 +502,17 @@ class Controller:
                                                     f"was never produced")
                     nbytes += produced[name]
             done = [name for name in fields if (rank, name) in st.claimed]
-            if done:
+            if done and not self._retried_claim(st, rank, fields, epoch):
                 raise AlreadyConsumedError(f"rank {rank} already fetched {done} of mini-batch {key} (exactly-once "
-                                           f"delivery)")
-            st.claimed.update((rank, name) for name in fields)
-            self._claims += 1
+                                           f"delivery; only the incarnation that claimed it, passing its epoch, may "
+                                           f"retry a claim whose reply was lost, before its ack)")
+            if not done:
+                st.claimed.update((rank, name) for name in fields)
+                self._claims += 1
+                if epoch is None:
+                    st.claimers.pop(rank, None)
+                else:
+                    st.claimers[rank] = epoch
             sums: tuple[tuple[int | None, ...], ...] = ()
             if any(self._trajs[t].checksums for t in traj_ids):
                 sums = tuple(tuple(self._trajs[t].checksums.get(name) for t in traj_ids) for name in fields)
@@ -492,6 +521,14 @@ class Controller:
                                  fields=tuple(fields), nbytes=nbytes, checksums=sums, seq=st.admitted.seq,
                                  group_ids=st.admitted.group_ids,
                                  epoch=-1 if epoch is None else epoch, runs=self._share_runs(traj_ids, fields, rank))
+
+    @staticmethod
+    def _retried_claim(st: _MiniBatchState, rank: int, fields: Sequence[str], epoch: int | None) -> bool:
+        """Whether a claim of ``fields`` repeats the fenced claim of the same incarnation, none of it acked yet (a
+        retry after a lost reply: ``claim`` answers it with the same share). The epoch itself was checked against
+        the rank's current one before (``_check_epoch``)."""
+        return (epoch is not None and st.claimers.get(rank) == epoch
+                and all((rank, n) in st.claimed and (rank, n) not in st.acked for n in fields))
 
     def claim_next(self, seq: int, rank: int, fields: Sequence[str], timeout: float | None = None,
                    epoch: int | None = None) -> ShareLocation:
@@ -581,7 +618,7 @@ class Controller:
             self._sources.release(ts.where)
             if ts.unit_id is None:
                 self._consumed_after_loss.add(t)
-            if ts.meta is not None and self.config.records_window != 0:
+            if ts.meta is not None:  # a row even with records_window 0: the staleness histogram counts it
                 m = ts.meta
                 rows.append((t, m.group_id, m.batch_id, m.num_tokens, m.v_gen, adm.seq, ts.t_complete, st.t_admit))
             if ts.meta is not None:
@@ -600,7 +637,7 @@ class Controller:
         self._forget_locked(adm.traj_ids)
         del self._mbs[adm.key]
         self._released_keys.add(adm.key)
-        return Released(adm.key, adm.traj_ids, tuple(rows), done)
+        return Released(adm.key, adm.traj_ids, tuple(rows), done, self.config.records_window)
 
     def _forget_locked(self, traj_ids: Sequence[int]) -> None:
         """Hook: these trajectories were released and compacted (a subclass drops its own per-trajectory state)."""
@@ -717,6 +754,8 @@ class Controller:
                     return  # every rank consumed it: nothing to return to the pool
                 raise UnknownMiniBatchError(f"unclaim of mini-batch {key}, which was never admitted")
             st.claimed.difference_update((rank, n) for n in fields if (rank, n) not in st.acked)
+            if not any(r == rank and (r, n) not in st.acked for r, n in st.claimed):
+                st.claimers.pop(rank, None)  # nothing of it is held: a later claim is a new one
             self._cv.notify_all()
 
     def recover_rank(self, rank: int) -> int:
@@ -733,6 +772,7 @@ class Controller:
                 if st is None:  # released and compacted
                     continue
                 st.claimed = {(r, n) for r, n in st.claimed if r != rank or (r, n) in st.acked}
+                st.claimers.pop(rank, None)
                 produced = self._produced(st, rank)
                 if resume == len(self._log) and not st.released and any((rank, n) not in st.acked for n in produced):
                     resume = seq
@@ -829,6 +869,12 @@ class Controller:
                 raise DataPlaneClosedError(f"controller closed at version {self._released} < {version}")
             assert not ok
             raise TimeoutError(f"version {version} not reached within {timeout} s (at {self._released})")
+
+    def staleness_counts(self) -> tuple[tuple[int, int], ...]:
+        """(staleness, trajectories) over every released trajectory that carried metadata, however small
+        ``records_window`` is (``RecordLog.counts``), by staleness."""
+        with self._cv:
+            return tuple(sorted(self._records.counts.items()))
 
     def records(self) -> list[HandoffRecord]:
         """Every admitted trajectory that carried metadata (of the released ones, the last ``records_window``),

@@ -168,16 +168,18 @@ def build_inprocess(schema: TrajectorySchema, unit_nodes: Mapping[str, str], ran
                     balance_slack: float = 0.05, equal_counts: bool = True,
                     prepare: PrepareConfig | None = None, checksums: bool = False,
                     faults: "FaultPlan | None" = None, policy: "AdmissionPolicy | None" = None,
-                    read_timeout_s: float | None = 300.0, recoverable: bool = False) -> InProcessDataPlane:
+                    read_timeout_s: float | None = 300.0, recoverable: bool = False,
+                    records_window: int | None = None) -> InProcessDataPlane:
     """One unit per ``unit_nodes`` entry (unit id -> node), ``len(rank_nodes)`` trainer ranks. ``faults``
     (``knittrans.dataplane.faults.FaultPlan``) wraps the units it names in a ``FaultyUnit``; None: no wrapper.
     ``read_timeout_s``: ``InProcessDataPlane.read_timeout_s``; ``recoverable``: the controller keeps a journal
-    (``knittrans.dataplane.recovery``) so ``restart_controller`` can rebuild it."""
+    (``knittrans.dataplane.recovery``) so ``restart_controller`` can rebuild it; ``records_window``:
+    ``ControllerConfig.records_window``."""
     journal = ControllerJournal() if recoverable else None
     if journal is not None:
         journal.attach()  # the first controller: nothing to recover
-    ctrl = Controller(schema, unit_nodes, ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts), policy,
-                      journal)
+    ctrl = Controller(schema, unit_nodes, ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts,
+                                                           records_window), policy, journal)
     units = {u: StorageUnit(u, n, schema) for u, n in unit_nodes.items()}
     if faults:
         from knittrans.dataplane.faults import FaultyUnit

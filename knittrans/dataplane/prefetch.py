@@ -13,16 +13,24 @@ claim and reads overlap this one's (shares are still handed out in admission ord
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+from collections import deque
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 from knittrans.dataplane.client import DataPlaneClient, FetchTiming
-from knittrans.dataplane.types import DataPlaneClosedError, PackedShare
+from knittrans.dataplane.types import DataPlaneClosedError, PackedShare, UnitLostError
+from knittrans.types import require_int, require_real
+
+log = logging.getLogger(__name__)
 
 _WAKE_S = 0.5  # longest a blocked worker takes to notice close()
+EVENTS_KEPT = 4096
+"""Handed-out shares whose ``PrefetchEvent`` a prefetcher keeps (the last ones): a long run's timings stay bounded
+(~200 B each) instead of growing by one per step for ever."""
 
 
 @dataclass(frozen=True)
@@ -41,10 +49,15 @@ class PrefetchConfig:
     ack_on_next: bool = True
     """With ``ack_on_fetch`` False: asking for the next share (or ending the iteration) acks the one handed out
     before it -- the trainer has stepped on it. False: the caller acks every share itself (``Handoff``)."""
+    wait_for_reput: bool = True
+    """A storage unit that dies under a share's read (``UnitLostError``: the client reported the loss, the claim was
+    undone) does not end the iteration: the share is claimed again once its producers re-put the lost trajectories
+    (``Controller.missing`` names them; ``claim_next`` waits for the re-put, within ``admit_timeout_s``), so the
+    trainer goes on without rebuilding its consumer. False: the iteration ends with the ``UnitLostError``."""
 
     def __post_init__(self) -> None:
-        if self.depth < 1:
-            raise ValueError(f"PrefetchConfig.depth must be >= 1, got {self.depth}")
+        require_int("PrefetchConfig", "depth", self.depth, 1)
+        require_real("PrefetchConfig", "admit_timeout_s", self.admit_timeout_s, 0.0, strict=True, optional=True)
 
 
 @dataclass(frozen=True)
@@ -82,7 +95,8 @@ class Prefetcher:
     config: PrefetchConfig = field(default_factory=PrefetchConfig)
     start_seq: int = 0
     count: int | None = None
-    events: list[PrefetchEvent] = field(default_factory=list)
+    events: deque[PrefetchEvent] = field(default_factory=lambda: deque(maxlen=EVENTS_KEPT))
+    """The last ``EVENTS_KEPT`` handed-out shares' timings, oldest first."""
 
     def __post_init__(self) -> None:
         # Up to ``depth + 1`` shares are claimed ahead of the trainer (``depth`` prepared and waiting, the next in
@@ -109,6 +123,9 @@ class Prefetcher:
         self._finished = False
         self._handed: PackedShare | None = None  # handed out, not acked yet (ack_on_next)
         self._feed = None  # the rank's long-poll claims (``feed.ShareFeed``) when its controller is remote
+        self.unit_losses = 0
+        """Reads that a storage unit's death interrupted and that were claimed again after the re-put
+        (``PrefetchConfig.wait_for_reput``)."""
 
     def start(self) -> "Prefetcher":
         if not self._started:
@@ -184,20 +201,30 @@ class Prefetcher:
         The wait is the controller's condition variable (``claim_next``); it is sliced only so close() is
         honoured within _WAKE_S (a Ray controller cannot be interrupted mid-call)."""
         deadline = None if self.config.admit_timeout_s is None else time.perf_counter() + self.config.admit_timeout_s
+        feed = self._feed
         while not self._stop.is_set():
             left = _WAKE_S if deadline is None else min(_WAKE_S, deadline - time.perf_counter())
             if left <= 0:
                 raise TimeoutError(f"rank {self.rank}: no mini-batch #{seq} admitted within "
                                    f"{self.config.admit_timeout_s} s")
             try:
-                if self._feed is not None:
+                if feed is not None:
                     t_ask = time.perf_counter()
-                    loc, claim_s = self._feed.get(seq, timeout=left)
+                    loc, claim_s = feed.get(seq, timeout=left)
                     return self.client.deliver(loc, claim_s, ack=self.config.ack_on_fetch, asked_at=t_ask)
                 return self.client.fetch_next(seq, self.rank, self.fields, timeout=left,
-                                              ack=self.config.ack_on_fetch, epoch=epoch)
+                                              ack=self.config.ack_on_fetch, epoch=epoch, bound_reads=False)
             except TimeoutError:
                 continue
+            except UnitLostError as e:
+                if not self.config.wait_for_reput:
+                    raise
+                # The client reported the loss and undid the claim: claim #seq again, directly (the feed has moved
+                # past it); the controller's claim_next waits until the lost trajectories are re-put.
+                self.unit_losses += 1
+                feed = None
+                log.warning("rank %d: %s; share #%d is claimed again once its trajectories are re-put",
+                            self.rank, e, seq)
         return None
 
     def next(self, timeout: float | None = None) -> PackedShare:

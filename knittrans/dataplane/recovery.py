@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from knittrans.dataplane.idset import IdRanges
+from knittrans.dataplane.records import count_staleness, trim_rows
 from knittrans.dataplane.wire import from_wire, to_wire
 from knittrans.dataplane.types import AdmittedMiniBatch, DataPlaneError, MiniBatchKey, PutRecord
 from knittrans.types import BatchPlan, Trajectory
@@ -87,6 +88,9 @@ class Released:
     traj_ids: tuple[int, ...]
     rows: tuple[tuple, ...] = ()
     done_batches: tuple[int, ...] = ()
+    keep: int | None = None
+    """How many record rows the journal keeps (the controller's ``records_window``; None: all): the journal's rows
+    are bounded as the controller's are, and its staleness histogram counts every row."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,8 @@ class JournalState:
     rows_f: array  # and 2 float columns per row (t_complete, t_admit)
     t0_wall: float  # wall time (time.time) of the first controller's start: times stay on one clock
     restarts: int
+    staleness: Mapping[int, int] = field(default_factory=dict)  # staleness -> released trajectories (all of them)
+    rows_total: int = 0  # record rows ever released (the journal keeps the last ``Released.keep``)
 
 
 class ControllerJournal:
@@ -125,6 +131,8 @@ class ControllerJournal:
         self._counters: dict[str, int] = {}
         self._rows_i = array("q")  # records in columns as the controller keeps them: 64 B per trajectory
         self._rows_f = array("d")
+        self._staleness: dict[int, int] = {}
+        self._rows_total = 0
         self._t0_wall = time.time()
         self._attached = False
         self._restarts = 0
@@ -160,9 +168,13 @@ class ControllerJournal:
                 self._acked.pop(released.key, None)
                 self._released_keys.add(released.key)
                 self._released.update(released.traj_ids)
-                for row in released.rows:
-                    self._rows_i.extend(row[:6])
-                    self._rows_f.extend(row[6:])
+                count_staleness(self._staleness, released.rows)
+                self._rows_total += len(released.rows)
+                if released.keep != 0:
+                    for row in released.rows:
+                        self._rows_i.extend(row[:6])
+                        self._rows_f.extend(row[6:])
+                    trim_rows(self._rows_i, self._rows_f, released.keep)
                 if released.done_batches:  # their policy inputs are no longer needed by a replay
                     done = set(released.done_batches)
                     kept: list[BatchEvent | CompleteEvent] = []
@@ -211,7 +223,7 @@ class ControllerJournal:
                                 {k: frozenset(v) for k, v in self._acked.items()}, tuple(self._log),
                                 frozenset(self._released_keys), tuple(self._released.ranges), dict(self._epochs),
                                 self._sealed, dict(self._counters), array("q", self._rows_i), array("d", self._rows_f),
-                                self._t0_wall, self._restarts)
+                                self._t0_wall, self._restarts, dict(self._staleness), self._rows_total)
 
     def t0_wall(self) -> float:
         return self._t0_wall
@@ -250,7 +262,7 @@ def rebuild(ctrl: "Controller", state: JournalState, manifests: Mapping[str, Seq
     ctrl._planned, ctrl._completed = c.get("planned", 0), c.get("completed", 0)
     ctrl._discarded, ctrl._units_lost = c.get("discarded", 0), c.get("units_lost", 0)
     ctrl._restarts = state.restarts
-    ctrl._records.restore(state.rows_i, state.rows_f)
+    ctrl._records.restore(state.rows_i, state.rows_f, state.rows_total, state.staleness)
     # 1. where every surviving trajectory lives (a released one is dropped; of two copies -- a put whose rollback had
     # not landed yet -- the one with more fields stays, ties by unit id)
     best: dict[int, PutRecord] = {}

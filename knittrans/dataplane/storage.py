@@ -24,6 +24,7 @@ from knittrans.dataplane.buffers import BufferPool, aligned, copy_rows
 from knittrans.dataplane.types import (DuplicatePutError, FieldMeta, FieldNotProducedError, PutRecord,
                                        ReadTimeoutError, SchemaMismatchError, TrajectoryPayload, TrajectorySchema,
                                        UnitChunk, as_numpy)
+from knittrans.types import Trajectory
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,9 @@ def validate_payload(schema: TrajectorySchema, p: TrajectoryPayload) -> dict[str
         if len(set(lens.values())) > 1:
             raise SchemaMismatchError(f"trajectory {p.traj_id}: fields of mismatched length {lens} (schema: "
                                       f"{list(group)} have one row per response token)")
+    if isinstance(p.meta, Trajectory):  # metadata that disagrees with the tensors would mis-count token budgets
+        schema.check_num_tokens(p.traj_id, p.meta.num_tokens,
+                                {n: int(a.shape[0]) for n, a in out.items() if a.ndim and schema.get(n).ragged})
     if p.checksums is not None:  # the producer's checksums: a message corrupted on its way here is refused
         from knittrans.dataplane.faults import verify_checksums
 

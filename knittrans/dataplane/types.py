@@ -155,9 +155,17 @@ class TrajectorySchema:
     same_length: tuple[tuple[str, ...], ...] = ()
     """Groups of ragged fields that must have the same length within one trajectory (e.g. per-response-token
     log-probs, advantages and loss mask); checked among the fields a put carries together."""
+    response_field: str | None = None
+    """A ragged field with one row per response token (e.g. ``old_logprobs``): a trajectory's admission metadata
+    (``Trajectory.num_tokens``, the response length that token budgets and records count) must equal its length, and
+    so must every field of its ``same_length`` group (``check_num_tokens``). None: only the token field bounds it."""
 
     def __post_init__(self) -> None:
         names = [f.name for f in self.fields]
+        if self.response_field is not None and (self.response_field not in names
+                                                or not self.get(self.response_field).ragged):
+            raise SchemaMismatchError(f"TrajectorySchema.response_field {self.response_field!r} must name a ragged "
+                                      f"field of {names}")
         for group in self.same_length:
             if any(n not in names or not self.get(n).ragged for n in group):
                 raise SchemaMismatchError(f"TrajectorySchema.same_length group {group} must name ragged fields of "
@@ -182,6 +190,37 @@ class TrajectorySchema:
         if f is not None:
             return f
         raise FieldNotProducedError(f"field {name!r} is not in the schema (fields: {list(self.names)})")
+
+    @cached_property
+    def response_fields(self) -> tuple[str, ...]:
+        """The fields with one row per response token: ``response_field`` and its ``same_length`` group."""
+        r = self.response_field
+        if r is None:
+            return ()
+        return next((g for g in self.same_length if r in g), (r,))
+
+    def check_num_tokens(self, traj_id: int, num_tokens: int, lengths: Mapping[str, int]) -> None:
+        """Raise ``SchemaMismatchError`` naming the trajectory if its metadata's ``num_tokens`` (response tokens)
+        disagrees with its tensors: ``lengths`` (field -> rows, the fields known so far) must give every response
+        field exactly ``num_tokens`` rows, and the token field (prompt + response) at least that many. Where a
+        field is not known yet (put later), nothing is checked for it."""
+        for name in self.response_fields:
+            n = lengths.get(name)
+            if n is not None and n != num_tokens:
+                raise SchemaMismatchError(f"trajectory {traj_id}: Trajectory.num_tokens={num_tokens} disagrees with "
+                                          f"its tensors: field {name!r} has {n} rows (one per response token); "
+                                          f"num_tokens is the response length")
+        n = lengths.get(self.token_field)
+        if n is not None and n < num_tokens:
+            raise SchemaMismatchError(f"trajectory {traj_id}: Trajectory.num_tokens={num_tokens} disagrees with its "
+                                      f"tensors: token field {self.token_field!r} has only {n} rows (prompt + "
+                                      f"response); num_tokens is the response length")
+
+    def rows_of(self, name: str, nbytes: int) -> int:
+        """Rows of field ``name`` that ``nbytes`` bytes hold (what the controller derives lengths from)."""
+        spec = self.get(name)
+        row = np.dtype(spec.dtype).itemsize * int(np.prod(spec.tail, dtype=np.int64))
+        return nbytes // row if row else 0
 
 
 def as_numpy(traj_id: int, name: str, value: object) -> np.ndarray:
@@ -406,7 +445,8 @@ class PackedShare:
 TEXT_SCHEMA = TrajectorySchema(
     fields=(FieldSpec("input_ids", "int64"), FieldSpec("old_logprobs", "float32", finite=True),
             FieldSpec("advantages", "float32", finite=True), FieldSpec("loss_mask", "bool")),
-    token_field="input_ids", same_length=(("old_logprobs", "advantages", "loss_mask"),))
+    token_field="input_ids", same_length=(("old_logprobs", "advantages", "loss_mask"),),
+    response_field="old_logprobs")
 """A GRPO text trajectory: ``input_ids`` is prompt + response (it counts a trajectory's tokens); the
 response-length fields are the behaviour log-probs, the per-token advantages and the loss mask. The prompt is the
 first ``len(input_ids) - len(old_logprobs)`` ids."""

@@ -85,11 +85,14 @@ IMAGE_FIELD = "image_index"
 the unit's encoding store. Delivered: the index of the image in the share's ``ImageSet``."""
 
 MM_SCHEMA = TrajectorySchema(
-    fields=(FieldSpec("input_ids", "int64"), FieldSpec("old_logprobs", "float32"),
-            FieldSpec("advantages", "float32"), FieldSpec("loss_mask", "bool"), FieldSpec(IMAGE_FIELD, "int64")),
-    token_field="input_ids")
+    fields=(FieldSpec("input_ids", "int64"), FieldSpec("old_logprobs", "float32", finite=True),
+            FieldSpec("advantages", "float32", finite=True), FieldSpec("loss_mask", "bool"),
+            FieldSpec(IMAGE_FIELD, "int64")),
+    token_field="input_ids", same_length=(("old_logprobs", "advantages", "loss_mask"),), response_field="old_logprobs")
 """A multimodal trajectory: the text schema's fields (prompt + response ids; response-length logprobs,
-advantages, loss mask) and the image index. Pixel values travel beside it, once per distinct image."""
+advantages, loss mask) and the image index, with the text schema's checks (finite log-probs and advantages, one row
+per response token in each response field, ``num_tokens`` equal to the response length). Pixel values travel beside
+it, once per distinct image."""
 
 
 @dataclass(frozen=True)
@@ -583,6 +586,8 @@ class MMClient(DataPlaneClient):
         for (o, c, a, b), k in zip(runs.images.tolist(), runs.image_keys):
             np.copyto(buf[off:off + b - a], objects[o][c].reshape(-1).view(np.uint8)[a:b])  # the one copy
             raw = buf[off:off + b - a]
+            if self.checksums:
+                verify_image(loc, runs.source_units[o], raw, k)
             x = torch.from_numpy(raw.view(np.int16 if k.dtype == "bfloat16" else np.dtype(k.dtype)).reshape(k.shape))
             pixels.append(x.view(torch.bfloat16) if k.dtype == "bfloat16" else x)
             off += aligned(b - a)
@@ -617,6 +622,8 @@ class MMClient(DataPlaneClient):
             for i, a in enumerate(ch.pixels):
                 pix_bytes += int(a.nbytes)  # moved, even if another unit shipped the same content
                 k = ch.keys[i] if ch.keys else None
+                if self.checksums:
+                    verify_image(loc, ch.unit_id, a, k)
                 if k is not None and k in at:
                     m.append(at[k])
                     continue
@@ -659,6 +666,19 @@ class MMClient(DataPlaneClient):
                        occurrence_nbytes=occ_bytes)
 
 
+def verify_image(loc: ShareLocation, unit_id: str, pixels: np.ndarray, key: ImageKey | None) -> None:
+    """With checksums on, an image a unit shipped must match its content key (the unit's strong digest of the stored
+    bytes, ``ImageKey``): a corrupted image raises ``CorruptPayloadError`` naming the unit and the share (the claim is
+    undone by the client). Without keys (``dedup=False``) the fields' CRC-32s are the check."""
+    from knittrans.dataplane.types import CorruptPayloadError
+    from knittrans.mmdedup.keys import strong_digest
+
+    if key is not None and strong_digest(torch.from_numpy(np.ascontiguousarray(pixels))) != key.digest:
+        raise CorruptPayloadError(f"share {loc.key} rank {loc.rank}: image {key} from unit {unit_id} is corrupt "
+                                  f"on fetch (its bytes do not match its content key); nothing was consumed, retry "
+                                  f"the fetch")
+
+
 def as_mm_client(client: DataPlaneClient) -> MMClient:
     """The same client (controller, units, getter, options: whatever the transport set) as an ``MMClient``."""
     return MMClient(**{f.name: getattr(client, f.name) for f in dc_fields(client) if f.init})
@@ -684,17 +704,21 @@ def build_mm_inprocess(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...
                        prepare: PrepareConfig | None = None,
                        policy: "AdmissionPolicy | None" = None, dedup: bool = True,
                        cross_unit: bool = True, read_timeout_s: float | None = 300.0,
-                       recoverable: bool = False) -> MMInProcessDataPlane:
+                       recoverable: bool = False, checksums: bool = False,
+                       records_window: int | None = None) -> MMInProcessDataPlane:
     """``build_inprocess`` with ``MMStorageUnit``s and the group-keeping ``MMController`` (admitting through
     ``policy`` when given, as ``knittrans.handoff`` does). ``dedup`` False: units store and move every image
     occurrence (the plain twin); ``cross_unit`` False: dedup within each unit only (``MMController``).
     ``read_timeout_s``: ``InProcessDataPlane.read_timeout_s``; ``recoverable``: as ``build_inprocess``'s (the
-    controller journals, ``restart_controller`` rebuilds it from the journal and the units' manifests)."""
+    controller journals, ``restart_controller`` rebuilds it from the journal and the units' manifests);
+    ``checksums``: as ``build_inprocess``'s (each field's CRC-32 checked at the unit and at the rank; each shipped
+    image checked against its content key, ``MMClient``); ``records_window``: ``ControllerConfig.records_window``."""
     journal = ControllerJournal() if recoverable else None
     if journal is not None:
         journal.attach()  # the first controller: nothing to recover
-    ctrl = MMController(schema, unit_nodes, ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts), policy,
+    ctrl = MMController(schema, unit_nodes, ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts,
+                                                             records_window), policy,
                         cross_unit=cross_unit, journal=journal)
     units = {u: MMStorageUnit(u, n, schema, hash_fn, dedup) for u, n in unit_nodes.items()}
-    return MMInProcessDataPlane(schema, ctrl, units, prepare or PrepareConfig(), read_timeout_s=read_timeout_s,
-                                journal=journal)
+    return MMInProcessDataPlane(schema, ctrl, units, prepare or PrepareConfig(), checksums=checksums,
+                                read_timeout_s=read_timeout_s, journal=journal)

@@ -104,21 +104,23 @@ def build_mm_ray(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], sch
                  hash_fn: HashFn = encoding_hash_fn, balance_slack: float = 0.05, equal_counts: bool = True,
                  prepare: PrepareConfig | None = None, policy=None,  # noqa: ANN001 - an AdmissionPolicy
                  dedup: bool = True, cross_unit: bool = True, read_timeout_s: float | None = 300.0,
-                 controller_node: str | None = None, controller_restarts: int = 8) -> MMRayDataPlane:
+                 controller_node: str | None = None, controller_restarts: int = 8, checksums: bool = False,
+                 records_window: int | None = None) -> MMRayDataPlane:
     """``build_ray`` with ``MMStorageUnitActor``s and the ``MMController``. Ray must already be initialized.
     ``dedup`` False: units store and move every image occurrence (the plain twin); ``cross_unit`` False: dedup
     within each unit only. ``read_timeout_s``: ``RayDataPlane.read_timeout_s``; ``controller_node`` and
     ``controller_restarts``: as ``build_ray``'s (a restarted controller rebuilds its groups and content keys from
-    the units' manifests, ``MMStorageUnit.manifest``; 0: a dead controller raises ``ControllerLostError``)."""
+    the units' manifests, ``MMStorageUnit.manifest``; 0: a dead controller raises ``ControllerLostError``);
+    ``checksums`` and ``records_window``: as ``build_mm_inprocess``'s."""
     if not ray.is_initialized():
         raise RuntimeError("build_mm_ray: call ray.init(...) first")
     check_restarts("build_mm_ray", controller_restarts)
-    cfg = ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts)
+    cfg = ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts, records_window)
     ctrl_cls = MMController if cross_unit else functools.partial(MMController, cross_unit=False)
     ctrl, units, journal = start_actors(schema, unit_nodes, cfg, MMStorageUnitActor,
                                         lambda u, node: (u, node, schema, hash_fn, dedup), ctrl_cls, policy,
                                         controller_restarts, controller_node)
-    dp = MMRayDataPlane(schema, ctrl, units, prepare or PrepareConfig(), read_timeout_s=read_timeout_s,
-                        journal_actor=journal)
+    dp = MMRayDataPlane(schema, ctrl, units, prepare or PrepareConfig(), checksums=checksums,
+                        read_timeout_s=read_timeout_s, journal_actor=journal)
     ray.get([ctrl.stats.remote(), *(a.stats.remote() for a in units.values())])  # wait until all are up
     return dp

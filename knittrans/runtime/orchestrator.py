@@ -145,8 +145,9 @@ class Orchestrator:
     def handoff_config(self) -> HandoffConfig:
         """The run's handoff: its batch constraints, transport and prefetch depth; one storage unit, one rank."""
         c = self.cfg
+        # records_window=None: check_run reads every trajectory's record
         return HandoffConfig(self.constraints, transport=Transport(c.transport), multimodal=c.multimodal,
-                             prefetch_depth=c.prefetch_depth)
+                             prefetch_depth=c.prefetch_depth, records_window=None)
 
     def _now(self) -> float:
         return time.perf_counter() - self._t0

@@ -28,10 +28,11 @@ from typing import Sequence
 from repro.spec.core import Bound, Claim, ClaimKind, Measured, Trial, not_measured, trial
 
 RSS_MIN_TRAJECTORIES = 1_000_000
-GATE_FAULT_KINDS = 21
+GATE_FAULT_KINDS = 27
 """Fault kinds the CI-size gate runs (in process): the 17 chaos kinds of ``workloads.chaos.KINDS`` (controller
-restart included; the data-plane scenarios repeat five of them) and the 4 runtime scenarios. Each must fire and be
-survived; a kind that regresses drops the count below this bound and fails the gate."""
+restart included; the data-plane scenarios repeat five of them), the 6 Handoff chaos kinds of
+``workloads.chaos.HANDOFF_KINDS`` (issue 29) and the 4 runtime scenarios. Each must fire and be survived; a kind that
+regresses drops the count below this bound and fails the gate."""
 
 
 @trial("reliability")

@@ -37,3 +37,16 @@ def test_100k_trajectories_with_concurrent_producers_and_consumers_lose_nothing(
         res = load_inprocess(cfg)
     _exact(res, 100_000)
     assert res.throughput > 0
+
+
+def test_a_handoff_load_trains_every_trajectory_once_and_holds_only_what_is_in_flight():
+    """Through ``knittrans.Handoff`` (admission policy, records and acks included): exact, storage freed, and the
+    controller, the admission ledger and the records bounded by what the announcement window lets be in flight."""
+    from workloads.reliability_load import HandoffLoadConfig, load_handoff
+
+    cfg = HandoffLoadConfig(trajectories=8192, records_window=1000)
+    res = load_handoff(cfg)
+    assert (res.lost, res.duplicated, res.final_unit_bytes) == (0, 0, 0)
+    assert res.version == res.trajectories // (cfg.prompts * cfg.group_size) * cfg.num_minibatches
+    assert res.held_max <= res.bound_trajectories and 0 <= res.ledger_batches_max <= cfg.window + 1
+    assert res.records_kept <= cfg.records_window

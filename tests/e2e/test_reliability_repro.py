@@ -11,7 +11,8 @@ from repro.reliability import ReliabilityConf, run
 def test_reliability_table_reports_every_claim_from_its_trial_rows(tmp_path):
     cfg = ReliabilityConf(out_dir=str(tmp_path / "reliability"), logger="none", load_trajectories=4000,
                           ray_load_trajectories=0, load_minibatch=200, transports=["inprocess"], runtime_faults=False,
-                          chaos_trajectories=1500, chaos_fault_rate=0.3)  # the gate's chaos size: every kind fires
+                          chaos_trajectories=1500, chaos_fault_rate=0.3,  # the gate's chaos size: every kind fires
+                          handoff_chaos_batches=8, handoff_load_trajectories=4096)  # the Handoff's, small
     summary = run(cfg)
     on_disk = json.loads((tmp_path / "reliability" / "summary.json").read_text())
     assert on_disk == json.loads(json.dumps(summary))

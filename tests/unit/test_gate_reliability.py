@@ -58,7 +58,23 @@ def test_the_gate_fails_when_controller_restart_regresses(monkeypatch):
 
 def test_the_gate_counts_every_fault_kind_it_runs():
     from repro.spec.reliability import GATE_FAULT_KINDS
-    from workloads.chaos import KINDS
+    from workloads.chaos import HANDOFF_KINDS, KINDS
     from workloads.reliability_faults import RUNTIME_KINDS
 
-    assert GATE_FAULT_KINDS == len(set(KINDS) | set(RUNTIME_KINDS)) == 21
+    assert GATE_FAULT_KINDS == len(set(KINDS) | set(HANDOFF_KINDS) | set(RUNTIME_KINDS)) == 27
+
+
+def test_the_gate_fails_when_a_claim_retry_by_the_same_incarnation_is_refused_again(monkeypatch):
+    """Injected regression in product code: the controller as it was before issue 29, refusing a fenced claim's retry
+    with AlreadyConsumedError. The gate's Handoff chaos run must count it as not survived (measured by the spec)."""
+    from repro.gates import evaluate_gate
+    from repro.reliability import chaos_rows, handoff_chaos_on
+    from knittrans.dataplane.controller import Controller
+
+    monkeypatch.setattr(Controller, "_retried_claim", staticmethod(lambda *a: False))
+    cfg = ReliabilityConf(logger="none", handoff_chaos_batches=6)
+    rows = chaos_rows(handoff_chaos_on("inprocess", cfg), cfg.seed)
+    kind = [r for r in rows if r.part == "fault" and r.scenario == "lost_claim_reply_same_incarnation"]
+    assert kind and kind[0].injected == 1 and kind[0].survived == 0
+    v = {x.claim.name: x for x in evaluate_gate("reliability", rows)}
+    assert v["reliability_faults_not_survived"].status is Status.FAILS
