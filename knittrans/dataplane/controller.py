@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 from knittrans.dataplane.assign import ShareItem, assign_shares
 from knittrans.dataplane.idset import IdRanges
+from knittrans.dataplane.puts import check_completions, strip_repeats
 from knittrans.dataplane.records import HandoffRecord, RecordLog
 from knittrans.dataplane.recovery import CompleteEvent, ControllerJournal, JournalState, Released, rebuild
 from knittrans.dataplane.sources import SourceTable, Where
@@ -242,31 +243,8 @@ class Controller:
             return tuple(sorted(skip))
 
     def _strip_repeats_locked(self, records: Sequence[PutRecord]) -> list[PutRecord]:
-        """Idempotent puts: drop what a retried put repeats (fields its unit already held with identical bytes and
-        this controller registered, and the same completing metadata) so a retry whose first reply was lost is a
-        no-op. Fields the unit held but the controller never registered (the first register call was lost) stay.
-        A field this controller registered on the same unit, of the same size and checksum, is a repeat even when
-        the unit took it as new: the unit holds those bytes now (a register retried across a controller restart,
-        whose rebuild learnt the field from the unit's manifest; or a re-put to a unit that had lost it)."""
-        out = []
-        for r in records:
-            st = self._trajs.get(r.traj_id)
-            if st is None or st.unit_id != r.unit_id:
-                if st is not None and st.unit_id is None and r.meta is not None and st.meta == r.meta:
-                    r = dataclasses.replace(r, meta=None)  # a lost trajectory's re-put carries its metadata again
-                out.append(r)
-                continue
-            rep = {fm.name for fm in r.fields if st.fields.get(fm.name) == fm.nbytes
-                   and (fm.name in r.repeated or st.checksums.get(fm.name) == fm.checksum)}
-            same_meta = r.meta is not None and st.meta == r.meta
-            if rep or same_meta:
-                keep = [i for i, fm in enumerate(r.fields) if fm.name not in rep]
-                r = dataclasses.replace(r, fields=tuple(r.fields[i] for i in keep),
-                                        where=tuple(r.where[i] for i in keep) if r.where else (),
-                                        meta=None if same_meta else r.meta)
-            if r.fields or r.meta is not None:
-                out.append(r)
-        return out
+        """Idempotent puts: what a retried put repeats is dropped (``puts.strip_repeats``; a subclass hook)."""
+        return strip_repeats(records, self._trajs)
 
     # -- admission (with a policy) ---------------------------------------------------------------------------
 
@@ -302,41 +280,11 @@ class Controller:
             self._cv.notify_all()
 
     def _check_completions(self, records: Sequence[PutRecord]) -> list[PutRecord]:
-        """The records whose put completes a trajectory (it carries ``meta``), validated against the announced
-        batches before anything changes (lock held). Without a policy, metadata is ignored."""
-        done = [r for r in records if r.meta is not None]
-        if not done or self.policy is None:
+        """The records whose put completes a trajectory, validated before anything changes (``puts``)."""
+        if self.policy is None:  # without a policy, metadata is ignored
             return []
-        L = self.policy.constraints.max_response_len
-        extra: dict[int, int] = {}
-        ids: set[int] = set()
-        for r in done:
-            m = r.meta
-            if not isinstance(m, Trajectory) or m.traj_id != r.traj_id:
-                raise AdmissionStateError(f"put of trajectory {r.traj_id} carries metadata of "
-                                          f"{getattr(m, 'traj_id', type(m).__name__)!r}")
-            st = self._trajs.get(r.traj_id)
-            if (st is not None and st.meta is not None) or r.traj_id in ids:
-                raise DuplicatePutError(f"trajectory {r.traj_id} was already completed (its metadata arrived "
-                                        f"before)")
-            ids.add(r.traj_id)
-            if m.group_id not in self._groups or self._groups[m.group_id][0] != m.batch_id:
-                raise AdmissionStateError(f"trajectory {r.traj_id}: group {m.group_id} of batch {m.batch_id} was "
-                                          f"never announced (add_batch first)")
-            extra[m.group_id] = extra.get(m.group_id, 0) + 1
-            size = self._groups[m.group_id][1]
-            if self._arrived.get(m.group_id, 0) + extra[m.group_id] > size:
-                raise AdmissionStateError(f"trajectory {r.traj_id}: group {m.group_id} already has its declared "
-                                          f"{size} trajectories")
-            if m.num_tokens > L:
-                raise AdmissionStateError(f"trajectory {r.traj_id}: num_tokens={m.num_tokens} exceeds "
-                                          f"max_response_len={L}")
-            # num_tokens against every field known so far (this put's and earlier ones'): records and token budgets
-            # count it, so a metadata that disagrees with the tensors is refused here, by name
-            lengths = {} if st is None else {n: self.schema.rows_of(n, b) for n, b in st.fields.items() if b}
-            lengths.update({fm.name: fm.length for fm in r.fields})
-            self.schema.check_num_tokens(r.traj_id, m.num_tokens, lengths)
-        return done
+        return check_completions(records, self._trajs, self._groups, self._arrived, self.schema,
+                                 self.policy.constraints.max_response_len)
 
     def _registered_locked(self, records: Sequence[PutRecord]) -> None:
         """Hook: ``records`` were just registered, before any admission they trigger (lock held)."""
