@@ -404,21 +404,31 @@ class ControllerHost:
         return self.ctrl.rank_epoch(rank)
 
     def ack_many(self, acks: Sequence[tuple[MiniBatchKey, int, tuple[str, ...], int | None]]) -> None:
-        """A rank's batched acks (``feed.AckSender``), applied in order as ``ack`` (the first failure raises)."""
-        for key, rank, fields, epoch in acks:
-            self.ack(key, rank, fields, epoch)
+        """A rank's batched acks (``feed.AckSender``), applied in order as ``ack`` (the first failure raises; the
+        acks before it stay applied and their drops are sent), with one journal flush for the whole batch."""
+        self._apply_acks(acks)
 
     def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str], epoch: int | None = None) -> None:
         """Record the ack and, when it completes the mini-batch, tell the units to drop it (from here, so the
-        rank's ack is one fire-and-forget message off its critical path). The release and the registration of its
-        drops happen under one lock that ``wait_drained`` also takes: a caller that saw the version advance
-        (``wait_version``) and then waits for the drops always finds this mini-batch's among them."""
+        rank's ack is one fire-and-forget message off its critical path)."""
+        self._apply_acks([(key, rank, fields, epoch)])
+
+    def _apply_acks(self, acks: Sequence[tuple[MiniBatchKey, int, tuple[str, ...], int | None]]) -> None:
+        """Apply ``acks`` in order; the releases they complete are journaled (one flush for all of them) before any
+        unit is told to drop their bytes. The releases and the registration of their drops happen under one lock
+        that ``wait_drained`` also takes: a caller that saw the version advance (``wait_version``) and then waits
+        for the drops always finds this mini-batch's among them. (Not a public method: the journal flush that
+        every public method makes before it answers is made once, by the caller's.)"""
         with self._drops_lock:
-            drops = self.ctrl.ack(key, rank, fields, epoch)
-            if drops and self._journal is not None:
-                self._journal.flush()  # the release is journaled before any unit drops its bytes
-            for unit_id, ts in drops:
-                self._drops.append((unit_id, self.unit_actors[unit_id].drop.remote(ts)))
+            drops: list[tuple[str, tuple[int, ...]]] = []
+            try:
+                for key, rank, fields, epoch in acks:
+                    drops.extend(self.ctrl.ack(key, rank, fields, epoch))
+            finally:
+                if drops and self._journal is not None:
+                    self._journal.flush()  # the releases are journaled before any unit drops their bytes
+                for unit_id, ts in drops:
+                    self._drops.append((unit_id, self.unit_actors[unit_id].drop.remote(ts)))
 
     def wait_drained(self, timeout: float | None = None) -> int:
         """Block until every drop sent so far is confirmed by its unit (no polling: waits on the drops' own
