@@ -19,7 +19,7 @@ from repro.spec.core import Bound, Claim, ClaimKind, Trial, naming_verl, trial
 from repro.spec.transfer_measures import (  # noqa: F401 - the measures the claims below use, and re-exported
     CEILING_SYSTEM, FLOOR_S, TINY_S, _num, _pairs, bytes_ratio,
     ceiling_fraction, exposed_fraction, exposed_ms, get_latency_ratio, get_profile, live_bytes_after,
-    memcpy_fraction, pixel_ratio_over_n, ratio, tq_get_ratio)
+    memcpy_fraction, pixel_ratio_over_n, rate_ratio, ratio, tq_get_ratio)
 
 GATES = {"transfer-text": "repro.transfer", "transfer-multimodal": "repro.transfer"}
 
@@ -220,6 +220,17 @@ CLAIMS: tuple[Claim, ...] = (
           DRAIN + ". Gate bound 0.008 at CI size: 0.034 [0.027, 0.047] on a loaded 2-core machine; reads of one "
           "trajectory per unit call, ~0.001", memcpy_fraction("knittrans-ray-drain", "rank_gbps"),
           bound=Bound(">=", 0.2), gate=Bound(">=", 0.008)),
+    Claim("ceiling_rank_fraction_of_memcpy", T, ClaimKind.MEASUREMENT, "(context)", "x memcpy",
+          "the engine ceiling's per-rank rate, the drain target's own ceiling: the slowest rank's share bytes over its "
+          "own time from its first share's start to its last share (as drain_fraction_of_memcpy measures the drain), "
+          "when the refs are handed over and each share is one ray.get and one pack (no claim, no ack, no drop) / "
+          "single-thread memcpy in the same run; median over K passes, [min, max]",
+          memcpy_fraction(CEILING_SYSTEM, "rank_gbps")),
+    Claim("drain_fraction_of_ceiling", T, ClaimKind.MEASUREMENT, "(context)", "x ceiling",
+          "per pass, the drain's slowest-rank rate (drain_fraction_of_memcpy) / the engine ceiling's "
+          "(ceiling_rank_fraction_of_memcpy) in the same pass: what the handoff's control path (claims, acks, "
+          "releases, the units' drops) costs a draining rank; median over K passes, [min, max]",
+          rate_ratio("knittrans-ray-drain", CEILING_SYSTEM, "rank_gbps")),
     Claim("inproc_raw_fraction_of_memcpy", T, ClaimKind.MEASUREMENT, "(context)", "x memcpy",
           RAW_FRACTION.format(system="knittrans-inproc"), memcpy_fraction("knittrans-inproc", "gbps")),
     Claim("ray_raw_fraction_of_memcpy", T, ClaimKind.MEASUREMENT, "(context)", "x memcpy",

@@ -46,6 +46,20 @@ def ratio(num: str, den: str, field: str) -> Callable[[Sequence[Trial]], Measure
     return measure
 
 
+def rate_ratio(num: str, den: str, field: str) -> Callable[[Sequence[Trial]], Measured]:
+    """Median over passes of ``num``'s rate ``field`` (GB/s) / ``den``'s in the same pass, [min, max]; the note
+    names both medians."""
+
+    def measure(rows: Sequence[Trial]) -> Measured:
+        pairs = [(a, b) for a, b in _pairs(rows, num, den, field) if b]  # type: ignore[arg-type]
+        if not pairs:
+            return not_measured(f"no pass measured both {num} and {den} ({field})")
+        return median_range([a / b for a, b in pairs],
+                            f"{num} median {float(np.median([a for a, _ in pairs])):.3g} GB/s, {den} "
+                            f"{float(np.median([b for _, b in pairs])):.3g} GB/s")
+    return measure
+
+
 def bytes_ratio(num: str, den: str) -> Callable[[Sequence[Trial]], Measured]:
     def measure(rows: Sequence[Trial]) -> Measured:
         pairs = _pairs(rows, num, den, "bytes_moved")  # type: ignore[arg-type]
