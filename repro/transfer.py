@@ -58,10 +58,13 @@ class Workload(str, Enum):
 @dataclass
 class TextWorkload:
     """The text batch (``workloads.text_data``). Defaults: DAPO's per-trajectory shape (responses ~4.5k tokens on
-    average, capped at 20480; prompts padded to 2048 by verl) at 1/8 of its batch (64 x 16 = 1024 trajectories,
-    ~80 MB of fields); ``scale=paper`` is DAPO's full batch (512 x 16)."""
+    average, capped at 20480; prompts padded to 2048 by verl) at 1/16 of its batch (32 x 16 = 512 trajectories,
+    ~42 MB of fields); ``scale=paper`` is DAPO's full batch (512 x 16). 1/8 (64 x 16) until session 33: verl's own
+    path pads every row to 2048 + 20480 tokens (~1.5 GB per copy of a 1024-trajectory batch), and its driver, two
+    ranks and object store together passed 22.5 GB, where Ray's OOM killer stopped a rank in every run on the
+    24 GB machine (verl and knittrans-ray alone, one pass, included); at 32 x 16 verl fits."""
 
-    prompts_per_batch: int = 64
+    prompts_per_batch: int = 32
     """P: prompts per training batch."""
     group_size: int = 16
     """n: responses per prompt."""

@@ -6,7 +6,7 @@ the same session and on the same shares, the engine ceiling (``engine-ceiling``:
 over, one ``ray.get`` and one pack per share). The figure is one drain's wall time; ``extra_info`` has the slowest
 rank's GB/s (its bytes over its first ask -> last share), the ceiling's, and both as fractions of this process's
 single-thread memcpy measured just before (the issue's goal: the drain >= 0.2 of memcpy per rank; the table row is
-``drain_fraction_of_memcpy``). Default size: the transfer table's text batch (64 x 16, ~80 MB of fields); without
+``drain_fraction_of_memcpy``). Default size: the transfer table's text batch (32 x 16, ~42 MB of fields); without
 --benchmark-enable one drain of an 8-prompt batch runs as a smoke test (a benchmark is not a timed test: nothing
 here asserts a time).
 
