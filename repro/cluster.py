@@ -4,7 +4,7 @@ Ray cluster, the cluster model fitted to the multi-raylet passes, and the paper'
 ``python -m repro.cluster workload=multimodal`` runs, on the same seeded multimodal batches (``MMPasses``), three
 systems -- verl's driver path as the kinder baseline (``baselines.centralized_system``), verl's own code
 (``baselines.verl_system``: its DataProto with per-row dicts of tensors, three dispatches per step through its
-single controller; ``verl_mm=true`` adds our earlier re-implementation of it, ``baselines.verl_mm``) and
+single controller) and
 ``knittrans.Handoff`` on Ray (``knittrans.bench.KnitTransSystem``) -- in K interleaved raw passes (one batch, no
 compute):
 
@@ -43,9 +43,9 @@ from workloads.multimodal_data import MMTransferWorkload
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "cluster_trace.jsonl"
 """A recorded multi-raylet trace (``python -m repro.cluster``'s trace.jsonl): the gate checks the model on it."""
 FIXTURE_VERL = FIXTURE.with_name("cluster_trace_verl.jsonl")
-"""A recorded run with verl's own code (verl, verl 0.9.1) and our earlier re-implementation of it (verl-mm) beside
-both systems (``python -m repro.cluster verl_mm=true``, session 28): tests check the model's ``verl_wg_graph`` and
-``verl_graph`` on it and the projection against verl."""
+"""A recorded run with verl's own code (verl 0.9.1) beside both systems (``python -m repro.cluster``, session 28;
+its passes of our earlier re-implementation, verl-mm, were removed with it in session 33): tests check the model's
+``verl_wg_graph`` on it and the projection against verl."""
 
 
 @dataclass
@@ -80,9 +80,6 @@ class ClusterConfig:
     """Projection: n."""
     step_repeats: int = 2
     """Timed training steps per system for the step balance (median)."""
-    verl_mm: bool = False
-    """Also run ``verl-mm`` (``baselines.verl_mm``, our earlier re-implementation of verl's multimodal step) beside
-    verl's own code: how far the two are apart (docs/experiments.md, session 28); no claim reads it."""
     out_dir: str = "results/transfer-cluster"
     logger: str = "wandb"
     seed: int = 0
@@ -136,14 +133,10 @@ def systems_of(cfg: ClusterConfig, layout, session, trace: bool) -> list:  # noq
     systems = [CentralizedSystem("centralized", layout, session, CentralizedConfig(), trace=trace),
                KnitTransSystem("knittrans-ray", layout, Transport.RAY, multimodal=True, session=session, trace=trace),
                VerlSystem("verl", layout, session, trace=trace)]
-    if cfg.verl_mm:
-        from baselines.verl_mm import VerlMMSystem
-
-        systems.append(VerlMMSystem("verl-mm", layout, session, trace=trace))
     return systems
 
 
-GRAPH_OF = {"centralized": "central", "knittrans-ray": "knittrans", "verl": "verl_wg", "verl-mm": "verl"}
+GRAPH_OF = {"centralized": "central", "knittrans-ray": "knittrans", "verl": "verl_wg"}
 """Which task graph of ``knittrans.sim.cluster_model`` replays each system's traced raw pass."""
 
 

@@ -8,7 +8,7 @@ seeded batches, trainer-rank actors, emulated compute and rollout clock (``knitt
   waits for the whole batch, gathers, repeats prompts (and images), pads to the batch's longest, balances, scatters.
 - ``centralized-padmax`` (text): the same, padding to the configured maxima as verl's rollout ships.
 - ``verl``: verl's own DataProto and single controller (``baselines.verl_system``), three dispatches per step,
-  padded as verl's agent loop pads; ``verl-mm`` (multimodal): our earlier re-implementation of it (``verl_mm``).
+  padded as verl's agent loop pads.
 - ``transferqueue`` (when installed): TransferQueue's KV API (``baselines.transferqueue_system``; multimodal:
   per-trajectory fields with each sample's own images, no dedup).
 - ``knittrans-ray``: ``knittrans.Handoff`` on Ray: admission in the controller as the producers' completing puts

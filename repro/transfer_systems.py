@@ -7,7 +7,6 @@ from enum import Enum
 
 from baselines.centralized import CentralizedConfig
 from baselines.centralized_system import CentralizedSystem, CentralOverlap
-from baselines.verl_mm import VerlMMSystem
 from baselines.verl_system import VerlConfig, VerlSystem
 from knittrans.bench import BenchLayout, KnitTransSystem, TransferSystem
 from knittrans.handoff import Transport
@@ -20,7 +19,6 @@ class System(str, Enum):
     KNITTRANS_RAY = "knittrans-ray"
     KNITTRANS_RAY_NOPREFETCH = "knittrans-ray-noprefetch"
     KNITTRANS_INPROC = "knittrans-inproc"
-    VERL_MM = "verl-mm"
     VERL = "verl"
     KNITTRANS_RAY_DRAIN = "knittrans-ray-drain"
     """knittrans-ray whose raw pass is a drain: everything put and admitted before t0, ranks ack, no compute."""
@@ -28,12 +26,13 @@ class System(str, Enum):
     """Ray's own ceiling for KnitTrans's read path on the same objects (``knittrans.bench.ceiling``); raw only."""
 
 
-MM_SYSTEMS = (System.CENTRALIZED, System.VERL, System.VERL_MM, System.TRANSFERQUEUE, System.KNITTRANS_RAY,
+MM_SYSTEMS = (System.CENTRALIZED, System.VERL, System.TRANSFERQUEUE, System.KNITTRANS_RAY,
               System.KNITTRANS_RAY_NOPREFETCH, System.KNITTRANS_INPROC)
 """padmax is the text table's variant. TransferQueue moves per-trajectory fields with each sample's own images."""
-TEXT_SYSTEMS = tuple(s for s in System if s is not System.VERL_MM)
-"""verl-mm moves multimodal inputs (its text twin is ``centralized``). The engine ceiling is text's: multimodal
-shares are read through their units."""
+TEXT_SYSTEMS = tuple(System)
+"""Every system. The engine ceiling is text's: multimodal shares are read through their units. (``verl-mm``, our
+re-implementation of verl's multimodal step, ran until session 33: it measured nothing verl's own code does not;
+docs/experiments.md has both side by side.)"""
 
 
 def make_system(kind: System, cfg, layout: BenchLayout, session) -> TransferSystem:  # noqa: ANN001
@@ -45,8 +44,6 @@ def make_system(kind: System, cfg, layout: BenchLayout, session) -> TransferSyst
         conf = CentralizedConfig(pad_to=pad, max_prompt_len=cfg.text.max_prompt_len,
                                  max_response_len=cfg.text.max_response_len)
         return CentralizedSystem(kind.value, layout, session, conf, CentralOverlap(cfg.central_overlap))
-    if kind is System.VERL_MM:
-        return VerlMMSystem(kind.value, layout, session, CentralOverlap(cfg.central_overlap))
     if kind is System.ENGINE_CEILING:
         from knittrans.bench.ceiling import EngineCeilingSystem
 

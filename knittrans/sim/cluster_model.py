@@ -10,8 +10,7 @@ machine's copy capacity); a projection to separate machines leaves it out (None)
 What is measured, never modelled: every CPU phase -- the driver's unpickle and build, the serialization of a
 chunk into an object store, a unit's get and its serialization ("source"), a rank's unpickle and packing, a
 controller claim -- is a ``CpuEvent`` of the recorded trace (``knittrans.dataplane.trace``) and enters the model as
-its measured duration, in the order the system runs it (``central_graph``, ``verl_graph``, ``verl_wg_graph``,
-``knittrans_graph``).
+its measured duration, in the order the system runs it (``central_graph``, ``verl_wg_graph``, ``knittrans_graph``).
 The model then predicts each system's raw transfer time (t0 -> every rank holds every share) by replaying that
 task graph with the flows' durations computed instead of read. The link parameters come from calibration
 transfers of the same run (``fit_link``), never from the systems' own flows.
@@ -263,37 +262,6 @@ def _gather_build(cpu: Mapping[tuple[str, str], CpuEvent], flows: Sequence[FlowE
                     Task("build", ("deser",), _dur(cpu[("build", "")]))]
 
 
-def verl_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
-    """The faithful verl baseline's raw pass (``baselines.verl_mm``): the gather, unpickle ("deser") and build as
-    ``central_graph``'s, then three dispatches of the same rows in order (keys "d<i>/r<rank>": old log-prob,
-    reference, update). Per dispatch, per rank in order, the driver serializes the rank's chunk ("ser", one after
-    another) and the rank pulls it ("scatter") and splits it ("tail"); after a forward dispatch the driver waits
-    for every rank's tail, then the results' return ("ret") and the union ("union"), all measured, before the
-    next dispatch's serialization. Every CpuEvent's measured duration; every flow's bytes."""
-    cpu = {(e.label, e.key): e for e in events if isinstance(e, CpuEvent)}
-    flows = [e for e in events if isinstance(e, FlowEvent)]
-    tasks = _gather_build(cpu, flows)
-    by_dispatch: dict[str, list[FlowEvent]] = {}
-    for f in flows:
-        if f.label == "scatter":
-            by_dispatch.setdefault(f.key.split("/")[0], []).append(f)
-    prev = "build"
-    for d in sorted(by_dispatch):
-        tails = []
-        for f in sorted(by_dispatch[d], key=lambda f: f.key):
-            k = f.key
-            tasks += [Task(f"ser:{k}", (prev,), _dur(cpu[("ser", k)])),
-                      Task(f"scatter:{k}", (f"ser:{k}",), src=f.src, dst=f.dst, nbytes=f.nbytes),
-                      Task(f"tail:{k}", (f"scatter:{k}",), _dur(cpu[("tail", k)]))]
-            prev = f"ser:{k}"
-            tails.append(f"tail:{k}")
-        if ("ret", d) in cpu:  # a forward dispatch: the driver waits for its results before the next one
-            tasks += [Task(f"ret:{d}", (prev, *tails), _dur(cpu[("ret", d)])),
-                      Task(f"union:{d}", (f"ret:{d}",), _dur(cpu[("union", d)]))]
-            prev = f"union:{d}"
-    return tasks
-
-
 def verl_wg_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
     """verl's own step's raw pass (``baselines.verl_system``: verl's DataProto and single controller): the gather,
     unpickle ("deser") and build as ``central_graph``'s, then three dispatches in order (keys "d<i>": old log-prob,
@@ -379,9 +347,9 @@ def knittrans_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
     return tasks
 
 
-GRAPHS = {"central": central_graph, "verl": verl_graph, "verl_wg": verl_wg_graph, "knittrans": knittrans_graph}
-"""Task graph per system kind: "verl" is our re-implementation of verl's multimodal step (``baselines.verl_mm``),
-"verl_wg" verl's own code (``baselines.verl_system``)."""
+GRAPHS = {"central": central_graph, "verl_wg": verl_wg_graph, "knittrans": knittrans_graph}
+"""Task graph per system kind: "verl_wg" is verl's own code (``baselines.verl_system``). ("verl", the graph of our
+re-implementation of verl's multimodal step, went with it in session 33.)"""
 
 
 @dataclass(frozen=True)

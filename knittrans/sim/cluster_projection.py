@@ -20,8 +20,8 @@ Inputs, each either measured or an assumption stated here and in docs/cluster.md
 Per batch: the baseline (verl's driver) exposes its scatter (gather and build are built ahead while the previous
 batch trains, in its favour) and trains every image occurrence; KnitTrans's ranks read each share while the
 previous step computes (batch b+1 completes when b's last step starts), exposing ``max(0, share read - step)``
-per mini-batch, and encode each distinct image once. Where the trace measured the faithful verl baseline's phases
-(graph "verl"), ``verl_pass`` projects it too: its gather and build ahead, its three dispatches exposed.
+per mini-batch, and encode each distinct image once. Where the trace measured verl's own phases (graph
+"verl_wg"), ``verl_wg_pass`` projects it too: its gather and build ahead, its three dispatches exposed.
 """
 
 from __future__ import annotations
@@ -66,14 +66,6 @@ class PhaseCosts:
                 for e in cpu:
                     nb = {"deser": gathered, "build": sum(scat.values()), "ser": scat.get(e.key, 0)}.get(e.label, 0)
                     add(f"central/{e.label}", e.t_end - e.t_start, nb)
-            elif p.graph == "verl":  # the faithful verl baseline: every phase handles the dense rows' bytes
-                scat = {f.key: f.nbytes for f in flows if f.label == "scatter"}
-                gathered = sum(f.nbytes for f in flows if f.label == "gather")
-                fields = gathered - p.pixel_bytes // 3  # pixel_bytes: every occurrence, once per dispatch (3)
-                for e in cpu:  # build: concat + reorder copy the dense fields; the per-row dicts are re-indexed
-                    nb = {"deser": gathered, "build": fields}.get(e.label, scat.get(e.key, 0)
-                                                                    if e.label in ("ser", "tail") else 0)
-                    add(f"verl/{e.label}", e.t_end - e.t_start, nb)
             elif p.graph == "verl_wg":  # verl's own code: per dispatch every rank's chunk converted and put at once
                 scat = {f.key: f.nbytes for f in flows if f.label == "scatter"}
                 gathered = sum(f.nbytes for f in flows if f.label == "gather")
@@ -184,8 +176,7 @@ class Projection:
     central_train_s: float
     knittrans_train_s: float
     verl_raw_s: float | None = None
-    """verl, when the trace measured its phases: raw and exposed. verl's own code (``verl_wg_graph``,
-    ``verl_wg_pass``) where the trace has it, else the re-implementation (``verl_graph``, ``verl_pass``)."""
+    """verl's own code (``verl_wg_graph``, ``verl_wg_pass``), when the trace measured its phases: raw and exposed."""
     verl_exposed_s: float | None = None
 
 
@@ -235,8 +226,7 @@ def project(s: PaperSetting, costs: PhaseCosts, link: LinkModel, balance: StepBa
     step_c = tokens * lm + occ_patches * vis
     step_k = tokens * lm + occ_patches / n * vis
     knit_exposed = M * max(0.0, read - step_k)
-    verl = (verl_wg_pass(s, costs, link, fields, n * distinct_pixels) if "verl_wg/build" in costs.fixed_s
-            else verl_pass(s, costs, link, fields, n * distinct_pixels) if "verl/build" in costs.fixed_s else None)
+    verl = verl_wg_pass(s, costs, link, fields, n * distinct_pixels) if "verl_wg/build" in costs.fixed_s else None
     return Projection(s, central_raw, knit_raw, central_exposed, knit_exposed, M * step_c, M * step_k,
                       *(verl or (None, None)))
 
@@ -248,35 +238,6 @@ def _gather_build(s: PaperSetting, costs: PhaseCosts, graph: str, fields: float,
     tasks = [Task(f"g{u}", src=f"unit{u}", dst="driver", nbytes=int(dense // U)) for u in range(U)]
     return tasks + [Task("deser", tuple(t.name for t in tasks), costs.cpu(f"{graph}/deser", dense)),
                     Task("build", ("deser",), costs.cpu(f"{graph}/build", fields))]
-
-
-def verl_pass(s: PaperSetting, costs: PhaseCosts, link: LinkModel, fields: float,
-              pixels: float) -> tuple[float, float]:
-    """The faithful verl baseline's raw and exposed transfer per batch (``cluster_model.verl_graph``): every
-    sample's own pixel_values (``dense`` bytes: n copies of every image) gathered from the U rollout nodes to the
-    driver, unpickled and built (concat + balance), then three dispatches of the whole batch, each per rank a
-    serialization, a pull and the rank's split, the two forward ones followed by their results' return and the
-    union. Gather and build run ahead during the previous batch (in its favour); the three dispatches are
-    exposed. The two forward passes cost no compute here (in its favour, as measured). The build copies the dense
-    ``fields`` (concat, reorder); the per-row pixel dicts are only re-indexed."""
-    R, dense = s.num_ranks, fields + pixels
-    tasks = _gather_build(s, costs, "verl", fields, dense)
-    prev = "build"
-    for d in range(3):
-        tails = []
-        for r in range(R):
-            k = f"d{d}r{r}"
-            tasks += [Task(f"ser{k}", (prev,), costs.cpu("verl/ser", dense / R)),
-                      Task(f"sc{k}", (f"ser{k}",), src="driver", dst=f"rank{r}", nbytes=int(dense // R)),
-                      Task(f"tail{k}", (f"sc{k}",), costs.cpu("verl/tail", dense / R))]
-            prev, tails = f"ser{k}", tails + [f"tail{k}"]
-        if d < 2:
-            tasks += [Task(f"ret{d}", (prev, *tails), costs.cpu("verl/ret")),
-                      Task(f"union{d}", (f"ret{d}",), costs.cpu("verl/union"))]
-            prev = f"union{d}"
-    done = simulate(tasks, link)
-    raw = max(e for _, e in done.values())
-    return raw, raw - done["build"][1]
 
 
 def verl_wg_pass(s: PaperSetting, costs: PhaseCosts, link: LinkModel, fields: float,

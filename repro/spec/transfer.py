@@ -297,10 +297,6 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("mm_verl_vs_centralized_raw", MM, ClaimKind.MEASUREMENT, "(context)", "x",
           RAW.format(num="verl", den="centralized (one contiguous pixel buffer, one dispatch)") + ": how much "
           "kinder than verl the centralized baseline is", naming_verl(ratio("verl", "centralized", "raw_s"))),
-    Claim("mm_verl_mm_vs_verl_raw", MM, ClaimKind.MEASUREMENT, "(context)", "x",
-          RAW.format(num="verl-mm (our earlier re-implementation of verl's multimodal step, baselines.verl_mm)",
-                     den="verl (verl's own code)") + ": how far the re-implementation was from verl",
-          naming_verl(ratio("verl-mm", "verl", "raw_s"))),
     Claim("mm_transfer_latency_ratio_inproc", MM, ClaimKind.MEASUREMENT, "(context)", "x",
           RAW.format(num="centralized (Ray)", den="knittrans-inproc"),
           ratio("centralized", "knittrans-inproc", "raw_s"),

@@ -7,7 +7,7 @@ import pytest
 
 from knittrans.dataplane.trace import CpuEvent, FlowEvent
 from knittrans.sim.cluster_model import (LinkModel, Task, central_graph, fair_rates, fit_link, knittrans_graph,
-                                         makespan, predict_pass, simulate, verl_graph, verl_wg_graph)
+                                         makespan, predict_pass, simulate, verl_wg_graph)
 
 GB = 10**9
 
@@ -124,31 +124,6 @@ def test_central_graph_is_gather_build_then_serialized_scatter():
     # gather 0.2 GB into the driver: 0.2 s; cpu 0.05 + 0.2; ser r0 0.1; then r0's 1 GB alone for 0.1 s, both
     # share the driver's egress until r0 ends (r0 0.9 GB left at 0.5 GB/s ... ): total bytes 2 GB leave one NIC
     assert t == pytest.approx(0.2 + 0.25 + 0.1 + 2.0 + 0.01, rel=1e-6)
-
-
-def verl_trace(t0: float = 100.0) -> list:
-    """A verl-mm raw pass: gather and build as ``central_trace``'s, then three dispatches of 0.1 GB per rank (ser
-    0.01 s, tail 0.02 s), the two forward ones followed by the results' return (5 ms) and the union (1 ms)."""
-    ev = central_trace(t0)[:4]
-    for d in range(3):
-        for r in range(2):  # the recorded times do not matter, only durations and bytes
-            k = f"d{d}/r{r}"
-            ev += [CpuEvent("ser", "drv", t0, t0 + 0.01, k), FlowEvent("scatter", "drv", f"rk{r}", GB // 10, t0, t0, k),
-                   CpuEvent("tail", f"rk{r}", t0, t0 + 0.02, k)]
-        if d < 2:
-            ev += [CpuEvent("ret", "drv", t0, t0 + 0.005, f"d{d}"), CpuEvent("union", "drv", t0, t0 + 0.001, f"d{d}")]
-    return ev
-
-
-def test_verl_graph_runs_three_dispatches_in_turn_each_forward_waiting_for_its_results():
-    tasks = verl_graph(verl_trace(), 100.0)
-    assert sum(t.nbytes for t in tasks if t.is_flow) == 2 * GB // 10 + 6 * GB // 10
-    # gather 0.2 s, deser + build 0.25; per dispatch: ser r0 0.01, r0 alone for 0.01 s, then 0.2 GB through the
-    # driver's egress until +0.21, r1's tail +0.02; a forward one then 0.005 + 0.001 before the next dispatch
-    forward, update = 0.21 + 0.02 + 0.006, 0.21 + 0.02
-    assert makespan(tasks, LinkModel(1e9)) == pytest.approx(0.45 + 2 * forward + update, rel=1e-6)
-    no_ret = [e for e in verl_trace() if getattr(e, "label", "") not in ("ret", "union")]  # dispatches overlap
-    assert makespan(verl_graph(no_ret, 100.0), LinkModel(1e9)) < 0.45 + 2 * forward + update - 0.01
 
 
 def verl_wg_trace(t0: float = 100.0) -> list:

@@ -127,7 +127,7 @@ def verl_rows():
     return rows_from_trace(read_trace(FIXTURE_VERL))
 
 
-@pytest.mark.parametrize("system,graph", [("verl", "verl_wg"), ("verl-mm", "verl")])
+@pytest.mark.parametrize("system,graph", [("verl", "verl_wg")])
 def test_the_verl_trace_ships_every_ranks_chunk_three_times_from_the_driver(system, graph):
     from repro.cluster import FIXTURE_VERL
 
@@ -145,7 +145,7 @@ def test_the_verl_trace_ships_every_ranks_chunk_three_times_from_the_driver(syst
         assert sum(f.nbytes for f in scatter) >= p.pixel_bytes
 
 
-@pytest.mark.parametrize("system", ["verl", "verl-mm"])
+@pytest.mark.parametrize("system", ["verl"])
 def test_model_predicts_the_recorded_verl_passes_within_20_percent(system):
     from repro.cluster import FIXTURE_VERL
 
