@@ -255,7 +255,7 @@ def test_scale_presets_compose_and_paper_is_dapo_sized():
     assert default.scale == "default" and paper.scale == "paper" and mm.out_dir == "results/transfer-multimodal"
     assert paper.text.prompts_per_batch * paper.text.group_size == 8192 and paper.num_minibatches == 16
     assert paper.text.max_response_len == 20480 and mixed.num_ranks == 4  # the command line wins over a preset
-    assert default.text.prompts_per_batch * default.text.group_size == 1024 and default.passes == 3
+    assert default.text.prompts_per_batch * default.text.group_size == 512 and default.passes == 3  # 1/16 of DAPO
 
 
 def test_several_raw_passes_count_as_their_median_time_and_keep_every_get_and_the_worst_leftover():
