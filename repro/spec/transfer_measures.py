@@ -31,6 +31,11 @@ def _pairs(rows: Sequence[Trial], num: str, den: str, field: str) -> list[tuple[
             if by.get((p, num)) is not None and by.get((p, den)) is not None]
 
 
+def _rate_pairs(rows: Sequence[Trial], num: str, den: str, field: str) -> list[tuple[float, float]]:
+    """``_pairs`` of a rate (GB/s) where the denominator's is non-zero."""
+    return [(a, b) for a, b in _pairs(rows, num, den, field) if b]
+
+
 def ratio(num: str, den: str, field: str) -> Callable[[Sequence[Trial]], Measured]:
     """Median over passes of ``num``'s ``field`` / ``den``'s, with [min, max] and the denominator's size."""
 
@@ -51,7 +56,7 @@ def rate_ratio(num: str, den: str, field: str) -> Callable[[Sequence[Trial]], Me
     names both medians."""
 
     def measure(rows: Sequence[Trial]) -> Measured:
-        pairs = [(a, b) for a, b in _pairs(rows, num, den, field) if b]  # type: ignore[arg-type]
+        pairs = _rate_pairs(rows, num, den, field)
         if not pairs:
             return not_measured(f"no pass measured both {num} and {den} ({field})")
         return median_range([a / b for a, b in pairs],
@@ -114,7 +119,7 @@ def ceiling_fraction(system: str) -> Callable[[Sequence[Trial]], Measured]:
     and ``system``'s get profile."""
 
     def measure(rows: Sequence[Trial]) -> Measured:
-        pairs = [(a, b) for a, b in _pairs(rows, system, CEILING_SYSTEM, "get_gbps") if b]  # type: ignore[arg-type]
+        pairs = _rate_pairs(rows, system, CEILING_SYSTEM, "get_gbps")
         if not pairs:
             return not_measured(f"no pass measured both {system}'s and the engine ceiling's get bandwidth")
         prof, ceiling = get_profile(rows, system), float(np.median([b for _, b in pairs]))
