@@ -54,6 +54,7 @@ from knittrans.admission.base import AdmissionPolicy
 from knittrans.admission.minibatch import KnitTransAdmission
 from knittrans.constraints import BatchConstraints
 from knittrans.dataplane.client import DataPlaneClient, PrepareConfig
+from knittrans.dataplane.feed import ACK_DELAY_S
 from knittrans.dataplane.controller import ControllerStats, HandoffRecord
 from knittrans.dataplane.prefetch import PrefetchConfig, Prefetcher
 from knittrans.dataplane.storage import UnitStats
@@ -337,6 +338,9 @@ class Consumer:
     def client(self) -> DataPlaneClient:
         if self._client is None:
             self._client = self.plane.client()
+            # delayed acks (``feed.ACK_DELAY_S``): the consumer sends what is queued at the end of its stream, on
+            # ``flush`` and ``close``, so nothing waits on the delay but the controller's view of the step
+            self._client.ack_delay_s = ACK_DELAY_S
         return self._client
 
     def __iter__(self) -> Iterator[PackedShare]:

@@ -24,8 +24,10 @@ from knittrans.dataplane.types import MiniBatchKey, ShareLocation, TrajectoryPay
 
 @dataclass
 class RunsSource:
-    """A rank's shares as runs handed over by the driver (``StepSource``): step i resolves share i's sources with
-    one ``ray.get`` and packs its runs, timed as a KnitTrans get is (claim 0, read, pack, pack CPU)."""
+    """A rank's shares as runs handed over by the driver (``StepSource``): step i maps those of share i's sources not
+    mapped yet with one ``ray.get`` (each source once per pass, as a KnitTrans rank keeps what it mapped until the
+    source retires: ``client.SourceCache``) and packs its runs, timed as a KnitTrans get is (claim 0, read, pack,
+    pack CPU)."""
 
     locs: tuple[ShareLocation, ...]
     plane: object  # the RayDataPlane whose client packs (its schema and prepare options)
@@ -34,13 +36,14 @@ class RunsSource:
 
     def open(self, rank: int) -> None:
         self._client = self.plane.client()
+        self._client._sources.retiring = True  # every source stays mapped for the pass (nothing retires it)
 
     def obtain(self, step: int) -> Obtained:
         from knittrans.dataplane.client import pack_runs
 
         loc, c = self.locs[step], self._client
         t1 = time.perf_counter()
-        objects = c.getter.resolve(loc.runs)
+        objects = c._resolve(loc.runs, c.getter, (loc.key, loc.rank))
         t2, c2 = time.perf_counter(), time.thread_time()
         share = pack_runs(loc, objects, c.schema, c.prepare, c.pack_pool())
         t3, c3 = time.perf_counter(), time.thread_time()
@@ -53,6 +56,8 @@ class RunsSource:
 
     def close(self) -> None:
         self._held.clear()
+        if self._client is not None:
+            self._client._sources.clear()
 
 
 class EngineCeilingSystem:

@@ -209,7 +209,10 @@ class KnitTransSystem:
             from knittrans.bench.ray_ranks import RankRun, actor_wait
 
             s = self.session
-            runs = [rk.run.remote(src, RankRun(n, m, iters_per_token, tag=tag, signals=s.signals, trace=trace))
+            # step signals only where the rollout clock waits for them (a steady pass); a raw pass's ranks announce
+            # nothing, as the ceiling's and TransferQueue's raw ranks (each announcement is a call to the signal actor)
+            signals = s.signals if steady else None
+            runs = [rk.run.remote(src, RankRun(n, m, iters_per_token, tag=tag, signals=signals, trace=trace))
                     for rk, src in zip(s.ranks, sources)]
             t0 = self._clock(n, m, tag, actor_wait(s.signals), complete, steady)
             return ray.get(runs), t0

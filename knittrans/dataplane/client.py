@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -38,12 +39,14 @@ from knittrans.dataplane import trace
 from knittrans.dataplane.buffers import BufferPool, aligned, copy_rows, process_pool
 from knittrans.dataplane.types import (AdmittedMiniBatch, DataPlaneClosedError, DataPlaneError, MiniBatchKey,
                                        PackedField, PackedShare, PutRecord, SchemaMismatchError, ShareLocation,
-                                       ShareRuns, ShareTooLargeError, TrajectoryPayload, TrajectorySchema, UnitChunk,
-                                       UnitLostError)
+                                       ResolveStalledError, Retired, ShareRuns, ShareTooLargeError, TrajectoryPayload,
+                                       TrajectorySchema, UnitChunk, UnitLostError)
 from knittrans.types import MiniBatch
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
 
 
 class ControllerAPI(Protocol):
@@ -239,18 +242,23 @@ def pack_runs(loc: ShareLocation, objects: Sequence[Sequence[np.ndarray]], schem
               prepare: PrepareConfig = PrepareConfig(), pool: BufferPool | None = None) -> PackedShare:
     """Pack a share from its runs (``loc.runs``, ``ShareRuns``): ``objects[s]`` are the arrays of source ``s``
     (in process: the put's arrays themselves; on Ray: one ``ray.get`` of the sources' object refs, views of the
-    object store). Every byte is copied once, one ``np.copyto`` per run (a few per field, not one per trajectory),
-    each with the GIL released while its bytes move, so a rank's copy runs beside its other threads' Python (a
-    trainer's step). Not ``torch.cat``: its intra-op threads (OpenMP) wait on each other whenever the machine is
-    busy -- a 10 MB share of 28 runs took 320 ms with 2 threads on a loaded 2-core machine, 0.7 ms with one.
-    Same result as ``pack_share`` over the rows."""
+    object store). Every byte is copied once, one ``memoryview`` slice assignment per run (a few per field, not one
+    per trajectory): CPython's ``memcpy`` with the GIL held for the whole share (~0.6 ms for a 5 MB share at
+    memcpy speed), as ``buffers.copy_rows`` does. Not a copy that releases the GIL per run (``np.copyto``,
+    ``np.concatenate``, ``torch.cat``, ``torch._foreach_copy_``: every torch call from Python drops the GIL too):
+    beside one thread running Python in the same process -- a trainer's step, the feed's poll replies, producers'
+    puts in process -- every re-acquisition waits out a switch interval (5 ms), and a 5.4 MB share of 112 runs took
+    343 ms with ``np.copyto`` per run, 331 ms with ``np.concatenate`` per field, 74 ms with ``torch.cat`` per field
+    and 0.68 ms held (2 packing threads + 1 busy thread, medians of 30; alone the four take 0.5-1.0 ms). Holding
+    the GIL for one share's copy delays the trainer's Python by that copy's time once per step; releasing it per
+    run delays the copy by up to 5 ms per run. Same result as ``pack_share`` over the rows."""
     import torch  # here, not at module top: producer, unit and controller processes never pay torch's import
 
     runs = loc.runs
     assert runs is not None
     casts = dict(prepare.casts)
     pin = prepare.pin_memory and torch.cuda.is_available()
-    flat = [[_bytes_of(a) for a in arrays] for arrays in objects]  # each source array's bytes (views)
+    flat = [[memoryview(_bytes_of(a)) for a in arrays] for arrays in objects]  # each source array's bytes
     plan, total = [], 0
     for f, name in enumerate(loc.fields):
         spec = schema.get(name)
@@ -263,11 +271,11 @@ def pack_runs(loc: ShareLocation, objects: Sequence[Sequence[np.ndarray]], schem
     pinned = torch.empty(total, dtype=torch.uint8, pin_memory=True) if pin else None
     buf = None if pinned is not None else (pool.take(total) if pool is not None else np.empty(total, np.uint8))
     whole = pinned if pinned is not None else torch.from_numpy(buf)
-    dst = whole.numpy()
+    dst = memoryview(whole.numpy())
     for f, (name, spec, dtype, rows, off, nbytes) in enumerate(plan):
         at = off
-        for o, c, a, b in runs.runs[f].tolist():  # the one copy of each run
-            np.copyto(dst[at:at + b - a], flat[o][c][a:b])
+        for o, c, a, b in runs.runs[f].tolist():  # the one copy of each run (GIL held: see the docstring)
+            dst[at:at + b - a] = flat[o][c][a:b]
             at += b - a
     out: dict[str, PackedField] = {}
     tokens = 0
@@ -285,6 +293,70 @@ def pack_runs(loc: ShareLocation, objects: Sequence[Sequence[np.ndarray]], schem
 def _bytes_of(a: np.ndarray) -> np.ndarray:
     """``a``'s bytes as a flat ``uint8`` view (sources are contiguous: no copy)."""
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+class SourceCache:
+    """The sources a remote reader has mapped: per object (``ObjectRef.binary()``), the ref its claims named and its
+    arrays (one ``ray.get``: views of the object store), kept while a share it delivered and has not acked reads
+    it and, with a feed (``retiring``), until the controller retires the source (``SourceTable``: its last row
+    released; ``feed.ShareFeed`` hands each poll's ``Retired`` to ``retire``). So consecutive shares of one put map
+    it once, and a reader never drops its last reference to an object that a later claim names again (the
+    drop-and-borrow-again pattern behind the rare ``ray.get`` that never returned: docs/experiments.md, sessions 26
+    and 33). Thread-safe (a rank's prefetch worker maps, its trainer thread acks, its feed retires)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[bytes, list] = {}  # id -> [ref, arrays or None, users: {(key, rank)}]
+        self.retiring = False
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def objects(self, runs: ShareRuns, user: tuple, resolve: Callable[[ShareRuns], Sequence]) -> list:
+        """The arrays of each source of ``runs`` (in order), mapping with one ``resolve`` call those not mapped yet;
+        ``user`` (the share) reads them until ``release``. A failed resolve maps nothing and leaves no mark."""
+        ids = [h.binary() for h in runs.sources]
+        with self._lock:
+            for k, h in zip(ids, runs.sources):
+                self._entries.setdefault(k, [h, None, set()])[2].add(user)
+            need = [i for i, k in enumerate(ids) if self._entries[k][1] is None]
+        if need:
+            sub = dataclasses.replace(runs, sources=tuple(runs.sources[i] for i in need),
+                                      source_units=tuple(runs.source_units[i] for i in need))
+            try:
+                got = resolve(sub)
+            except BaseException:
+                self.release(user, evict=[ids[i] for i in need])
+                raise
+            with self._lock:
+                for i, arrays in zip(need, got):
+                    self._entries[ids[i]][1] = arrays
+        with self._lock:
+            return [self._entries[k][1] for k in ids]
+
+    def release(self, user: tuple, evict: Sequence[bytes] = ()) -> None:
+        """``user`` (an acked or abandoned share) reads nothing any more; without a feed, a source no share reads is
+        let go of (``evict``: let go of these even so -- a failed or stalled read)."""
+        with self._lock:
+            for k in list(self._entries):
+                e = self._entries[k]
+                e[2].discard(user)
+                if k in evict or (not e[2] and not self.retiring):
+                    del self._entries[k]
+
+    def retire(self, retired: Retired) -> None:
+        """Let go of the retired sources (none of them is ever named again); on ``reset``, of every source no
+        unacked share reads."""
+        with self._lock:
+            for k in retired.ids:
+                self._entries.pop(k, None)
+            if retired.reset:
+                for k in [k for k, e in self._entries.items() if not e[2]]:
+                    del self._entries[k]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
 
 
 @dataclass
@@ -309,9 +381,15 @@ class DataPlaneClient:
     acks are batched and sent asynchronously (``AckSender``; ``flush_acks`` waits for them), so neither round trip
     is on the rank's critical path. In process both are plain calls."""
     _acks: object = field(default=None, init=False, repr=False)  # the AckSender, created on first ack
-    _held: dict = field(default_factory=dict, init=False, repr=False)
-    """(mini-batch, rank) -> the sources a delivered share was read from, kept until its ack: a rank that reads its
-    next share from the same object borrows it without ever letting go of it in between."""
+    ack_delay_s: float = field(default=0.0, repr=False)
+    """With a remote controller, how long the ack sender waits after an ack for more before it sends them in one
+    call (``feed.AckSender``; 0: at once). ``knittrans.Consumer`` sets ``feed.ACK_DELAY_S``: it flushes its acks
+    at the end of its stream, on ``flush`` and on ``close``; a caller of ``fetch`` / ``ack`` who reads the
+    controller's view of its acks right after them calls ``flush_acks``."""
+    _sources: SourceCache = field(default_factory=SourceCache, init=False, repr=False)
+    """The sources this (remote) reader mapped, kept until retired (``SourceCache``)."""
+    resolve_fallbacks: int = field(default=0, init=False)
+    """Shares whose sources did not map within ``RESOLVE_TIMEOUT_S`` and were read through their units instead."""
 
     # -- rollout side ----------------------------------------------------------------------------------------
 
@@ -408,12 +486,12 @@ class DataPlaneClient:
         self._ack(share.key, share.rank, tuple(share.fields), _fence(share.epoch))
 
     def _ack(self, key: MiniBatchKey, rank: int, fields: tuple[str, ...], epoch: int | None) -> None:
-        self._held.pop((key, rank), None)
+        self._sources.release((key, rank))
         if self.remote_controller:
             if self._acks is None:
                 from knittrans.dataplane.feed import AckSender
 
-                self._acks = AckSender(self.controller)
+                self._acks = AckSender(self.controller, self.ack_delay_s)
             self._acks.send(key, rank, fields, epoch)
             return
         for unit_id, ts in self.controller.ack(key, rank, fields, epoch):
@@ -437,7 +515,9 @@ class DataPlaneClient:
         from knittrans.dataplane.feed import ShareFeed
 
         names = tuple(fields) if fields is not None else self.schema.names
-        return ShareFeed(self.controller, rank, names, start_seq, count, window, epoch).start()
+        self._sources.retiring = True  # the feed's polls say which sources are retired: keep them until then
+        return ShareFeed(self.controller, rank, names, start_seq, count, window, epoch,
+                         on_retired=self._sources.retire).start()
 
     def deliver(self, loc: ShareLocation, claim_s: float = 0.0, ack: bool = False,
                 asked_at: float | None = None) -> PackedShare:
@@ -470,8 +550,16 @@ class DataPlaneClient:
             with trace.keyed(key) if rec is not None else contextlib.nullcontext():
                 if direct:
                     t1 = time.perf_counter()
-                    objects = self._resolve(loc.runs, getter)
-                    t2 = time.perf_counter()
+                    try:
+                        objects = self._resolve(loc.runs, getter, (loc.key, loc.rank))
+                    except ResolveStalledError as e:  # the safety net: the same share through its units
+                        self.resolve_fallbacks += 1
+                        log.warning("rank %d share #%d: %s; read through its units instead (fallback %d)",
+                                    loc.rank, loc.seq, e, self.resolve_fallbacks)
+                        direct = False
+                        chunks, _, t2 = self._read(loc, getter)
+                    else:
+                        t2 = time.perf_counter()
                 else:
                     chunks, t1, t2 = self._read(loc, getter)
         except DataPlaneError as e:
@@ -503,8 +591,6 @@ class DataPlaneClient:
         if rec is not None:
             rec.add(trace.CpuEvent("claim", "", t0 if asked_at is None else asked_at, t1, key))
             rec.add(trace.CpuEvent("pack", "", t2, t3, key))
-        if direct and self.remote_controller and not ack:
-            self._held[(loc.key, loc.rank)] = loc.runs.sources  # until its ack (see ``_held``)
         if ack:
             self._ack(loc.key, loc.rank, loc.fields, _fence(loc.epoch))
         return share
@@ -530,11 +616,17 @@ class DataPlaneClient:
             return self.getter
         return dataclasses.replace(self.getter, read_timeout_s=left)
 
-    def _resolve(self, runs: ShareRuns, getter: UnitGetter | None = None) -> Sequence[Sequence[np.ndarray]]:
+    def _resolve(self, runs: ShareRuns, getter: UnitGetter | None = None,
+                 user: tuple | None = None) -> Sequence[Sequence[np.ndarray]]:
         """The arrays of each of the share's sources: in process the sources themselves; on Ray one ``ray.get``
-        (``ParallelRayGetter.resolve``)."""
+        (``ParallelRayGetter.resolve``) of those this reader has not mapped yet (``SourceCache``; ``user``: the
+        share, which reads them until its ack)."""
         resolve = getattr(getter if getter is not None else self.getter, "resolve", None)
-        return runs.sources if resolve is None else resolve(runs)
+        if resolve is None:
+            return runs.sources
+        if user is None or not self.remote_controller:
+            return resolve(runs)
+        return self._sources.objects(runs, user, resolve)
 
     def _unit_args(self, loc: ShareLocation) -> Mapping[str, tuple] | None:
         """Hook: extra arguments of each unit's ``get`` for this share (None: none; ``MMClient`` names the

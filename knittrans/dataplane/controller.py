@@ -44,8 +44,8 @@ from knittrans.dataplane.recovery import CompleteEvent, ControllerJournal, Journ
 from knittrans.dataplane.sources import SourceTable, Where
 from knittrans.dataplane.types import (AdmissionStateError, AdmittedMiniBatch, AlreadyConsumedError,
                                        DataLostError, DataPlaneClosedError, DataPlaneError, DuplicatePutError,
-                                       EndOfStream, FencedError, FieldNotProducedError, MiniBatchKey, PutRecord,
-                                       ShareLocation, ShareRuns, TrajectorySchema, UnknownMiniBatchError)
+                                       EndOfStream, FencedError, FieldNotProducedError, MiniBatchKey, Polled,
+                                       PutRecord, ShareLocation, ShareRuns, TrajectorySchema, UnknownMiniBatchError)
 from knittrans.dataplane.types import ControllerStats  # noqa: F401 - re-exported: the controller's counts
 from knittrans.types import BatchPlan, MiniBatch, Trajectory, require_int, require_real
 
@@ -512,6 +512,26 @@ class Controller:
                 except DataPlaneError:
                     break  # claimed already, or not produced yet: the rank's next poll asks for it
         return tuple(out)
+
+    def poll(self, seq: int, rank: int, fields: Sequence[str], limit: int, timeout: float | None = None,
+             epoch: int | None = None, retired_since: tuple[str, int] | None = None) -> Polled:
+        """A remote rank's long poll (``feed.ShareFeed``): ``claim_many`` fenced by ``epoch``, where ``epoch`` None
+        is the rank's incarnation as this call arrives (``rank_epoch``: a consumer learns its incarnation from its
+        first poll instead of a round trip of its own; one that started before a ``recover_rank`` is still fenced
+        off, since the epoch is taken before the wait). A poll that finds nothing admitted within ``timeout``
+        returns no shares (with the epoch) instead of raising: timing out is a long poll's normal answer. Every
+        answer carries the sources retired since the poller's cursor ``retired_since`` (``SourceTable``): what the
+        reader may let go of."""
+        with self._cv:
+            self._check_rank(rank)
+            if epoch is None:
+                epoch = self._epochs.get(rank, 0)
+        try:
+            locs = self.claim_many(seq, rank, fields, limit, timeout, epoch)
+        except TimeoutError:
+            locs = ()
+        with self._cv:
+            return Polled(epoch, locs, self._sources.retired_since(retired_since))
 
     def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str],
             epoch: int | None = None) -> tuple[tuple[str, tuple[int, ...]], ...]:

@@ -23,13 +23,19 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
-from knittrans.dataplane.types import DataPlaneClosedError, MiniBatchKey, ShareLocation
+from knittrans.dataplane.types import DataPlaneClosedError, MiniBatchKey, Retired, ShareLocation
 
 POLL_S = 0.5
 """Longest single wait of the long poll (sliced so that ``close`` is honoured: a remote call cannot be
 interrupted)."""
+ACK_DELAY_S = 0.02
+"""How long the ack sender waits after an ack for more before it sends them all in one call (delayed acks, as
+TCP's): a rank acks one share per optimizer step, and every ack call costs the controller a journal flush and its
+units a drop, CPU taken from the reads running beside them. 20 ms is far below a training step and bounds how late
+a release (``Handoff.version``) sees the step; ``flush`` (the end of the stream, ``Consumer.flush``,
+``Handoff.version``) sends at once."""
 
 
 @dataclass(frozen=True)
@@ -46,13 +52,19 @@ class _Stop:
 
 class ShareFeed:
     """Rank ``rank``'s claims of shares ``start_seq, start_seq + 1, ...`` (``count`` of them; None: to the end of
-    the stream), fetched by one long poll at a time, at most ``window`` claimed ahead of ``get``."""
+    the stream), fetched by one long poll at a time, at most ``window`` claimed ahead of ``get``. ``epoch``: the
+    rank's incarnation; None: the one current when the first poll reaches the controller (``Controller.poll``
+    answers it, and ``epoch`` holds it from then on). ``on_retired``: called with every poll's ``Retired`` (the
+    sources the reader may let go of: ``client.SourceCache.retire``)."""
 
     def __init__(self, controller, rank: int, fields: Sequence[str], start_seq: int, count: int | None,  # noqa: ANN001
-                 window: int, epoch: int | None = None) -> None:
+                 window: int, epoch: int | None = None,
+                 on_retired: Callable[[Retired], None] | None = None) -> None:
         if window < 1:
             raise ValueError(f"ShareFeed.window must be >= 1, got {window}")
         self.controller, self.rank, self.fields, self.epoch = controller, rank, tuple(fields), epoch
+        self.on_retired = on_retired
+        self._cursor: tuple[str, int] | None = None  # position in the controller's log of retired sources
         self.start_seq, self.window = start_seq, window
         self.end = None if count is None else start_seq + count
         self._cv = threading.Condition()
@@ -82,9 +94,8 @@ class ShareFeed:
                     limit = min(limit, self.end - seq)
             t = time.perf_counter()
             try:
-                locs = self.controller.claim_many(seq, self.rank, self.fields, limit, POLL_S, self.epoch)
-            except TimeoutError:
-                continue
+                epoch, locs, retired = self.controller.poll(seq, self.rank, self.fields, limit, POLL_S, self.epoch,
+                                                            self._cursor)
             except DataPlaneClosedError:  # closed or sealed: the stream ends at this seq
                 self._post(seq, _Stop(None))
                 return
@@ -92,6 +103,14 @@ class ShareFeed:
                 self._post(seq, _Stop(e))
                 return
             now = time.perf_counter()
+            with self._cv:
+                self.epoch = epoch  # the incarnation the first poll was fenced by (``Controller.poll``)
+                self._cv.notify_all()
+            self._cursor = retired.cursor
+            if self.on_retired is not None and (retired.ids or retired.reset):
+                self.on_retired(retired)
+            if not locs:
+                continue  # nothing admitted within the poll's timeout
             transit = max(0.0, now - t - locs[0].waited_s)
             with self._cv:
                 if self._stop:  # closed while the poll was out: give the claims back
@@ -154,18 +173,21 @@ class ShareFeed:
 
 
 class AckSender:
-    """Queues a rank's acks and sends them off its critical path, all queued ones in one ``ack_many`` call; the
-    first failure is kept and re-raised by the next ``send`` or ``flush`` (and every later one: the rank's
-    acks are no longer reaching the controller)."""
+    """Queues a rank's acks and sends them off its critical path, all queued ones in one ``ack_many`` call, at most
+    ``delay_s`` after the first of them (``ACK_DELAY_S``; at once on ``flush``); the first failure is kept and
+    re-raised by the next ``send`` or ``flush`` (and every later one: the rank's acks are no longer reaching the
+    controller)."""
 
-    def __init__(self, controller) -> None:  # noqa: ANN001 - a controller proxy with ack_many
+    def __init__(self, controller, delay_s: float = 0.0) -> None:  # noqa: ANN001 - a proxy with ack_many
         self.controller = controller
+        self.delay_s = delay_s
         self._cv = threading.Condition()
         self._queue: list[tuple[MiniBatchKey, int, tuple[str, ...], int | None]] = []
         self._sending = 0  # acks taken by the sender and not yet answered
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._urgent = 0  # flushes waiting: send what is queued without the delay
 
     def send(self, key: MiniBatchKey, rank: int, fields: Sequence[str], epoch: int | None) -> None:
         with self._cv:
@@ -183,6 +205,8 @@ class AckSender:
                 self._cv.wait_for(lambda: bool(self._queue) or self._closed)
                 if not self._queue:
                     return
+                if self.delay_s > 0:  # delayed acks: more may come (none is ever held past a flush)
+                    self._cv.wait_for(lambda: self._closed or self._urgent > 0, self.delay_s)
                 batch, self._queue = self._queue, []
                 self._sending = len(batch)
             try:
@@ -197,8 +221,13 @@ class AckSender:
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued ack is answered; re-raise the first failure. ``TimeoutError`` after ``timeout``."""
         with self._cv:
-            if not self._cv.wait_for(lambda: not self._queue and not self._sending, timeout):
-                raise TimeoutError(f"{len(self._queue) + self._sending} acks unanswered after {timeout} s")
+            self._urgent += 1
+            self._cv.notify_all()
+            try:
+                if not self._cv.wait_for(lambda: not self._queue and not self._sending, timeout):
+                    raise TimeoutError(f"{len(self._queue) + self._sending} acks unanswered after {timeout} s")
+            finally:
+                self._urgent -= 1
             if self._error is not None:
                 raise self._error
 

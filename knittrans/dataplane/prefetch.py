@@ -131,9 +131,10 @@ class Prefetcher:
         if not self._started:
             if self.client.remote_controller and self._feed is None:
                 # claims by long poll, up to ``depth + 1`` ahead of the workers (metadata only: the bytes are read
-                # by the workers, within their own bound)
+                # by the workers, within their own bound); the rank's incarnation comes with the first poll's answer
+                # (no round trip of its own before the first share)
                 self._feed = self.client.feed(self.rank, self.fields, self.start_seq, self.count,
-                                              self.config.depth + 1, self._rank_epoch())
+                                              self.config.depth + 1, None)
             # started only once the threads run: a close() from another thread in between must not join a thread
             # that is not started yet (RuntimeError); the workers check the stop flag before their first claim
             for th in self._threads:
@@ -142,12 +143,13 @@ class Prefetcher:
         return self
 
     def _rank_epoch(self) -> int:
-        """This incarnation of the rank, asked once (by the first worker that needs it): after a crash,
-        recover_rank supersedes it, and a zombie of this prefetcher can then neither claim the new incarnation's
-        share nor ack one (FencedError)."""
+        """This incarnation of the rank, asked once (by the first worker that needs it; with a feed, the one its
+        first poll was fenced by): after a crash, recover_rank supersedes it, and a zombie of this prefetcher can
+        then neither claim the new incarnation's share nor ack one (FencedError)."""
         with self._epoch_lock:
             if self._epoch is None:
-                self._epoch = self.client.controller.rank_epoch(self.rank)
+                adopted = self._feed.epoch if self._feed is not None else None
+                self._epoch = adopted if adopted is not None else self.client.controller.rank_epoch(self.rank)
             return self._epoch
 
     def _take_seq(self) -> int | None:
@@ -173,8 +175,7 @@ class Prefetcher:
                 return
             try:
                 t_wait = time.perf_counter()
-                epoch = self._rank_epoch()
-                share = self._fetch_when_admitted(seq, epoch)
+                share = self._fetch_when_admitted(seq)
                 if share is None:  # closed while waiting
                     self._post(seq, _End())
                     return
@@ -196,7 +197,7 @@ class Prefetcher:
             self._ready[seq] = item  # type: ignore[assignment]
             self._cv.notify_all()
 
-    def _fetch_when_admitted(self, seq: int, epoch: int) -> PackedShare | None:
+    def _fetch_when_admitted(self, seq: int) -> PackedShare | None:
         """Wait for the ``seq``-th admission and fetch this rank's share (None: closed while waiting).
         The wait is the controller's condition variable (``claim_next``); it is sliced only so close() is
         honoured within _WAKE_S (a Ray controller cannot be interrupted mid-call)."""
@@ -213,7 +214,8 @@ class Prefetcher:
                     loc, claim_s = feed.get(seq, timeout=left)
                     return self.client.deliver(loc, claim_s, ack=self.config.ack_on_fetch, asked_at=t_ask)
                 return self.client.fetch_next(seq, self.rank, self.fields, timeout=left,
-                                              ack=self.config.ack_on_fetch, epoch=epoch, bound_reads=False)
+                                              ack=self.config.ack_on_fetch, epoch=self._rank_epoch(),
+                                              bound_reads=False)
             except TimeoutError:
                 continue
             except UnitLostError as e:

@@ -8,10 +8,10 @@ and the rank maps them (same node) or pulls them node to node (different node) -
 The controller actor is threaded (``max_concurrency``), so a prefetcher blocked in ``next_admitted`` (a
 condition-variable wait inside the actor) does not stall claims, puts or admissions from other callers.
 
-Controller restarts: the controller actor is created with ``max_restarts`` and writes its journal
-(``knittrans.dataplane.recovery``) to a separate ``JournalActor`` before it answers. When it dies, Ray restarts it
-(the constructor runs again with its original arguments: a fresh admission policy) and it rebuilds itself from the
-journal and the units' manifests; calls that were in flight are retried by Ray (``max_task_retries``) against the
+Controller restarts: the controller actor is created with ``max_restarts``, pinned to one node, and appends its
+journal (``knittrans.dataplane.recovery``) to a file on that node before it answers (``journal_file``). When it
+dies, Ray restarts it there (the constructor runs again with its original arguments: a fresh admission policy) and
+it rebuilds itself from the journal file and the units' manifests; calls that were in flight are retried by Ray (``max_task_retries``) against the
 rebuilt actor, which every controller call tolerates (puts, acks, admissions and batch announcements are
 idempotent; a claim whose reply was lost is claimed again by the same rank). Clients never see the restart.
 
@@ -33,7 +33,6 @@ import logging
 import threading
 import time
 import uuid
-from functools import cached_property
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Mapping, Sequence
 
@@ -46,11 +45,13 @@ from knittrans.dataplane.client import DataPlaneClient, PrepareConfig
 from knittrans.dataplane.controller import Controller, ControllerConfig, ControllerStats, HandoffRecord
 from knittrans.dataplane.heap import freeze_startup_heap
 from knittrans.dataplane.buffers import BufferPool
-from knittrans.dataplane.recovery import CompleteEvent, ControllerJournal, JournalState, RecoveryError, Released
+from knittrans.dataplane.journal_file import FileJournal, journal_path
+from knittrans.dataplane.recovery import JournalState
 from knittrans.dataplane.storage import StorageUnit, UnitStats, packed_chunk, pop_fields
 from knittrans.dataplane.types import (AdmittedMiniBatch, ControllerLostError, DataPlaneClosedError, DataPlaneError,
-                                       MiniBatchKey, PutRecord, ReadTimeoutError, ShareLocation, ShareRuns,
-                                       TrajectoryPayload, TrajectorySchema, UnitChunk, UnitLostError)
+                                       MiniBatchKey, Polled, PutRecord, ReadTimeoutError, ResolveStalledError,
+                                       ShareLocation, ShareRuns, TrajectoryPayload, TrajectorySchema, UnitChunk,
+                                       UnitLostError)
 from knittrans.types import BatchPlan, MiniBatch
 
 if TYPE_CHECKING:
@@ -59,6 +60,13 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger(__name__)
+
+RESOLVE_TIMEOUT_S = 10.0
+"""Longest a rank waits for its share's sources to map (one ``ray.get``: well under a millisecond on the units' node,
+a pull across nodes at link speed) before it reads the share through its units (``ResolveStalledError``): a safety
+net, counted (``DataPlaneClient.resolve_fallbacks``) and logged, for a ``ray.get`` of a live unit's object that never
+returns (seen twice in ~40 CI runs before ranks kept what they mapped until its retirement, ``client.SourceCache``;
+docs/experiments.md)."""
 
 STORE_MIN_BYTES = 0
 """A put whose arrays reach this many bytes becomes one object-store object the unit owns and keeps, which ranks
@@ -233,103 +241,11 @@ class UnitHost:
 # A StorageUnit in its own process (threaded: several ranks read at once).
 StorageUnitActor = ray.remote(num_cpus=0, max_concurrency=8)(UnitHost)
 
-# The controller's journal in its own process: it outlives controller restarts (it is small: what is in flight).
-class JournalHost(ControllerJournal):
-    """The body of ``JournalActor``: a ``ControllerJournal`` whose process exempts its start-up heap from full
-    collections (``heap.freeze_startup_heap``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        freeze_startup_heap()
-
-
-JournalActor = ray.remote(num_cpus=0, max_concurrency=4)(JournalHost)
-
-
-def _journal_call(ref: "ray.ObjectRef") -> None:
-    try:
-        ray.get(ref)
-    except ray.exceptions.RayActorError as e:
-        raise RecoveryError(f"the controller's journal actor died ({type(e).__name__}): the controller can no longer "
-                            f"be recovered after a restart; stop and restart the handoff") from None
-
-
 def _resolve(actor: "ray.actor.ActorHandle | str") -> "ray.actor.ActorHandle":
     """An actor handle, or the name of a named one. A restartable actor takes the actors it talks to by name: Ray
     treats an actor handle among constructor arguments as an object-store argument, which a restart may fail to
     find (ray-project/ray#53727)."""
     return ray.get_actor(actor) if isinstance(actor, str) else actor
-
-
-class RayJournal:
-    """The controller's view of a ``JournalActor`` (named: see ``_resolve``), with group commit. The controller
-    writes under its lock; a write here only queues the entry (in the lock's order), and ``flush`` sends every
-    entry queued so far in one call and waits for the journal's reply. ``ControllerActor`` flushes before every
-    reply, so nothing a caller is told (an admission, a claim, an ack taken) is unjournaled: write-ahead as
-    before, without a journal round trip inside the controller's lock (which stalled every other call, e.g. a
-    rank's claim behind a producer's completing put, by one round trip per admission). Flushes are serialized,
-    so the journal applies entries in the order the controller wrote them."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._pending: list[tuple[str, tuple]] = []
-        self._queued = 0  # entries queued so far
-        self._sent = 0  # entries the journal has confirmed
-        self._broken: RecoveryError | None = None
-        self._queue_lock = threading.Lock()
-        self._flush_lock = threading.Lock()
-
-    def __reduce__(self):  # noqa: ANN204 - travels to the controller actor by name only
-        return (RayJournal, (self.name,))
-
-    @cached_property
-    def actor(self) -> "ray.actor.ActorHandle":
-        return _resolve(self.name)
-
-    def _queue(self, method: str, *args: object) -> None:
-        with self._queue_lock:
-            self._pending.append((method, args))
-            self._queued += 1
-
-    def flush(self) -> None:
-        """Block until every entry queued before this call is in the journal (one call carries all of them;
-        a flush that finds its entries sent by a concurrent one returns without a call)."""
-        with self._queue_lock:
-            target = self._queued
-        with self._flush_lock:
-            if self._broken is not None:
-                raise self._broken
-            if self._sent >= target:
-                return
-            with self._queue_lock:
-                batch, self._pending, upto = self._pending, [], self._queued
-            try:
-                _journal_call(self.actor.write.remote(batch))
-            except RecoveryError as e:
-                self._broken = e
-                raise
-            self._sent = upto
-
-    def batch(self, plan: BatchPlan, planned: int) -> None:
-        self._queue("batch", plan, planned)
-
-    def complete(self, event: CompleteEvent, completed: int) -> None:
-        self._queue("complete", event, completed)
-
-    def admit(self, adm: AdmittedMiniBatch, t_admit: float) -> None:
-        self._queue("admit", adm, t_admit)
-
-    def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str], released: Released | None = None) -> None:
-        self._queue("ack", key, rank, tuple(fields), released)
-
-    def epoch(self, rank: int, epoch: int) -> None:
-        self._queue("epoch", rank, epoch)
-
-    def seal(self) -> None:
-        self._queue("seal")
-
-    def count(self, name: str, value: int) -> None:
-        self._queue("count", name, value)
 
 
 def _flushing(method):  # noqa: ANN001, ANN202
@@ -349,13 +265,16 @@ def _flushing(method):  # noqa: ANN001, ANN202
 
 class ControllerHost:
     """The body of ``ControllerActor``: a ``Controller`` in its own process; threaded so blocking waits do not
-    serialize other calls. Every public method flushes the journal before it answers (``RayJournal``)."""
+    serialize other calls. Every public method flushes the journal before it answers (``FileJournal``).
+    ``plane``: the plane's name, when the controller is restartable: its journal is ``journal_path(plane)`` on this
+    node (a restarted actor, on the same node, finds it there)."""
 
     def __init__(self, schema: TrajectorySchema, unit_nodes: Mapping[str, str], config: ControllerConfig,
                  unit_actors: Mapping[str, "ray.actor.ActorHandle"],
                  controller_cls: type[Controller] = Controller,  # a subclass: knittrans.mmdedup.plane
-                 policy: "AdmissionPolicy | None" = None, journal: "RayJournal | None" = None) -> None:
+                 policy: "AdmissionPolicy | None" = None, plane: str | None = None) -> None:
         # unit_actors: handles, or names when the actor is restartable (``_resolve``)
+        journal = FileJournal(journal_path(plane)) if plane is not None else None
         extra = {"journal": journal} if journal is not None else {}  # by keyword: subclasses add parameters
         self.ctrl = controller_cls(schema, unit_nodes, config, policy, **extra)
         self.unit_actors = {u: _resolve(a) for u, a in unit_actors.items()}
@@ -363,7 +282,7 @@ class ControllerHost:
         self._drops_lock = threading.Lock()
         self._journal = journal
         if journal is not None:
-            state = ray.get(journal.actor.attach.remote())
+            state = journal.attach()
             if state is not None:  # Ray restarted this actor: rebuild from the journal and the units
                 self._restore(state)
             journal.flush()
@@ -399,6 +318,10 @@ class ControllerHost:
     def claim_many(self, seq: int, rank: int, fields: Sequence[str], limit: int, timeout: float | None = None,
                    epoch: int | None = None) -> tuple[ShareLocation, ...]:
         return self.ctrl.claim_many(seq, rank, fields, limit, timeout, epoch)
+
+    def poll(self, seq: int, rank: int, fields: Sequence[str], limit: int, timeout: float | None = None,
+             epoch: int | None = None, retired_since: tuple[str, int] | None = None) -> Polled:
+        return self.ctrl.poll(seq, rank, fields, limit, timeout, epoch, retired_since)
 
     def rank_epoch(self, rank: int) -> int:
         return self.ctrl.rank_epoch(rank)
@@ -469,6 +392,12 @@ class ControllerHost:
 
     def close(self) -> None:
         self.ctrl.close()
+        if self._journal is not None:
+            self._journal.close()  # nothing will be recovered: the file goes
+
+    def journal_size(self) -> dict[str, int] | None:
+        """The journal's entries and file bytes (``FileJournal.size``; None without a journal)."""
+        return None if self._journal is None else self._journal.size()
 
     def stats(self) -> ControllerStats:
         return self.ctrl.stats()
@@ -553,6 +482,10 @@ class RayControllerProxy:
     def claim_many(self, seq: int, rank: int, fields: Sequence[str], limit: int, timeout: float | None = None,
                    epoch: int | None = None) -> tuple[ShareLocation, ...]:
         return _call(self.actor.claim_many.remote(seq, rank, tuple(fields), limit, timeout, epoch))
+
+    def poll(self, seq: int, rank: int, fields: Sequence[str], limit: int, timeout: float | None = None,
+             epoch: int | None = None, retired_since: tuple[str, int] | None = None) -> Polled:
+        return _call(self.actor.poll.remote(seq, rank, tuple(fields), limit, timeout, epoch, retired_since))
 
     def rank_epoch(self, rank: int) -> int:
         return _call(self.actor.rank_epoch.remote(rank))
@@ -671,11 +604,16 @@ class ParallelRayGetter:
         rec = trace.active()
         refs = list(runs.sources)
         deadline = None if self.read_timeout_s is None else time.monotonic() + self.read_timeout_s
+        stalled = time.monotonic() + RESOLVE_TIMEOUT_S
         if rec is not None:  # a multi-node run's trace: the lookup ("source"), one pull per object, the map ("deser")
             pulls, t_local = self._traced_wait(rec, refs, time.perf_counter(), deadline)
         try:
-            objects = ray.get(refs, timeout=_left(deadline))
+            objects = ray.get(refs, timeout=_left(stalled if deadline is None else min(deadline, stalled)))
         except ray.exceptions.GetTimeoutError:
+            if deadline is None or stalled < deadline:
+                self._check_alive(runs)  # a dead unit is a loss (``UnitLostError``), not a stall
+                raise ResolveStalledError(f"the objects of units {sorted(set(runs.source_units))} did not map within "
+                                          f"{RESOLVE_TIMEOUT_S} s") from None
             raise ReadTimeoutError(f"units {sorted(set(runs.source_units))} did not answer a read within "
                                    f"{self.read_timeout_s} s (the claim is undone; retry, or report the unit "
                                    f"lost)") from None
@@ -689,6 +627,17 @@ class ParallelRayGetter:
                     _TRACED_PULLS.add(ref.binary())
                     rec.add(trace.FlowEvent("read", u, dst, sum(int(x.nbytes) for x in arrays), a, b, key))
         return objects
+
+    def _check_alive(self, runs: ShareRuns) -> None:
+        """Raise ``UnitLostError`` if a unit of ``runs`` is dead (its objects are lost with it)."""
+        for u in sorted(set(runs.source_units)):
+            try:
+                ray.get(self.units[u].actor.stats.remote(), timeout=RESOLVE_TIMEOUT_S)
+            except ray.exceptions.RayActorError:
+                raise UnitLostError(u, "its actor died while its objects did not map") from None
+            except ray.exceptions.GetTimeoutError:
+                raise ReadTimeoutError(f"unit {u} did not answer while its objects did not map (the claim is undone; "
+                                       f"retry, or report the unit lost)") from None
 
     @staticmethod
     def _lost_unit(runs: ShareRuns) -> str:
@@ -777,8 +726,8 @@ class RayDataPlane:
     read_timeout_s: float | None = 300.0
     """Deadline of a rank's reads from units: a unit hung in ``get`` raises ``ReadTimeoutError`` (the claim is
     undone) instead of blocking ``fetch_next`` and ``Prefetcher.close`` for ever."""
-    journal_actor: "ray.actor.ActorHandle | None" = None
-    """The controller's ``JournalActor`` (None: the controller is not restarted when it dies)."""
+    restartable: bool = False
+    """The controller journals (``journal_file``) and Ray restarts it when it dies (``controller_restarts`` > 0)."""
 
     def client(self, local_unit: str | None = None) -> DataPlaneClient:
         units = {u: RayUnitProxy(a, u, self.read_timeout_s) for u, a in self.unit_actors.items()}
@@ -805,7 +754,7 @@ class RayDataPlane:
         """Fault injection: kill the controller actor as a crash would (Ray restarts it; it rebuilds itself from
         its journal and the units) and wait until the rebuilt one answers; returns the number of restarts so far.
         ``TimeoutError`` if it is not back within ``timeout`` s."""
-        if self.journal_actor is None:
+        if not self.restartable:
             raise RuntimeError("restart_controller needs a controller built with a journal (controller_restarts > 0)")
         before = self.controller_stats().restarts
         ray.kill(self.controller_actor, no_restart=False)
@@ -816,15 +765,17 @@ class RayDataPlane:
             time.sleep(0.01)
         return n
 
+    def journal_size(self) -> dict[str, int] | None:
+        """The controller's journal: entries held and file bytes (None: not restartable)."""
+        return ray.get(self.controller_actor.journal_size.remote())
+
     def close(self) -> None:
-        """Wake waiters, then end the actors."""
+        """Wake waiters (the controller removes its journal file), then end the actors."""
         try:
             ray.get(self.controller_actor.close.remote(), timeout=10)
         finally:
             for a in [self.controller_actor, *self.unit_actors.values()]:
                 ray.kill(a)
-            if self.journal_actor is not None:
-                ray.kill(self.journal_actor)
 
 
 def check_restarts(who: str, controller_restarts: object) -> None:
@@ -836,10 +787,12 @@ def start_actors(schema: TrajectorySchema, unit_nodes: Mapping[str, str], cfg: C
                  unit_actor, unit_args, controller_cls, policy,  # noqa: ANN001 - actor class, callables, a policy
                  controller_restarts: int, controller_node: str | None):  # noqa: ANN201
     """Start one unit actor per unit (``unit_actor.remote(*unit_args(unit_id, node))``, pinned to its node when
-    the node is a Ray node id) and the ``ControllerActor`` running ``controller_cls``. With ``controller_restarts``
-    the actors are named (a plane-unique prefix: a restarted controller finds its units and journal by name, see
-    ``_resolve``), a ``JournalActor`` is started and the controller is restartable. Returns (controller actor,
-    unit actors, journal actor or None). Shared by ``build_ray`` and ``knittrans.mmdedup.plane_ray``."""
+    the node is a Ray node id) and the ``ControllerActor`` running ``controller_cls``, pinned to ``controller_node``
+    when it is a live Ray node id. With ``controller_restarts`` the actors are named (a plane-unique prefix: a
+    restarted controller finds its units by name, see ``_resolve``), the controller journals to a file
+    (``journal_file``) and is restartable -- on the same node: without a ``controller_node`` it is pinned to this
+    process's node, where its journal file stays. Returns (controller actor, unit actors, whether it is
+    restartable). Shared by ``build_ray`` and ``knittrans.mmdedup.plane_ray``."""
     plane = f"knittrans-{uuid.uuid4().hex[:12]}"
     units, names = {}, {}
     for u, node in unit_nodes.items():
@@ -847,15 +800,15 @@ def start_actors(schema: TrajectorySchema, unit_nodes: Mapping[str, str], cfg: C
         opts: dict = {"scheduling_strategy": strategy} if strategy is not None else {}
         names[u] = f"{plane}-unit-{u}"
         units[u] = unit_actor.options(name=names[u], **opts).remote(*unit_args(u, node))
-    journal = JournalActor.options(name=f"{plane}-journal").remote() if controller_restarts else None
     if controller_restarts:
+        node = controller_node if controller_options(controller_node) else _node_id()  # restarts stay on one node
         ctrl = ControllerActor.options(max_restarts=controller_restarts, max_task_retries=-1,
-                                       **controller_options(controller_node)).remote(
-            schema, dict(unit_nodes), cfg, names, controller_cls, policy, RayJournal(f"{plane}-journal"))
+                                       **controller_options(node)).remote(
+            schema, dict(unit_nodes), cfg, names, controller_cls, policy, plane)
     else:
         ctrl = ControllerActor.options(**controller_options(controller_node)).remote(
             schema, dict(unit_nodes), cfg, units, controller_cls, policy)
-    return ctrl, units, journal
+    return ctrl, units, bool(controller_restarts)
 
 
 def build_ray(schema: TrajectorySchema, unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...],
@@ -876,9 +829,9 @@ def build_ray(schema: TrajectorySchema, unit_nodes: Mapping[str, str], rank_node
         raise RuntimeError("build_ray: call ray.init(...) first (see the module docstring for clusters)")
     check_restarts("build_ray", controller_restarts)
     cfg = ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts, records_window)
-    ctrl, units, journal = start_actors(schema, unit_nodes, cfg, StorageUnitActor,
-                                        lambda u, node: (u, node, schema, faults.for_unit(u) if faults else ()),
-                                        Controller, policy, controller_restarts, controller_node)
-    dp = RayDataPlane(schema, ctrl, units, prepare or PrepareConfig(), checksums, read_timeout_s, journal)
+    ctrl, units, restartable = start_actors(schema, unit_nodes, cfg, StorageUnitActor,
+                                            lambda u, node: (u, node, schema, faults.for_unit(u) if faults else ()),
+                                            Controller, policy, controller_restarts, controller_node)
+    dp = RayDataPlane(schema, ctrl, units, prepare or PrepareConfig(), checksums, read_timeout_s, restartable)
     ray.get([ctrl.stats.remote(), *(a.stats.remote() for a in units.values())])  # wait until all are up
     return dp

@@ -7,8 +7,8 @@ incarnation. The payloads themselves survive a controller in the storage units, 
 rebuilt from two sources:
 
 - the **units' manifests**: where every surviving trajectory lives and what it holds;
-- the **journal** (``ControllerJournal``, outside the controller: a plain object in process, a separate actor on
-  Ray): the admission policy's inputs of batches not yet wholly released (batch plans, completed trajectories'
+- the **journal** (``ControllerJournal``, outside the controller: a plain object in process; on Ray a file on the
+  controller's node that outlives its process, ``journal_file``): the admission policy's inputs of batches not yet wholly released (batch plans, completed trajectories'
   metadata, in order), every unreleased admitted mini-batch with its shares and acks, released mini-batches and
   trajectory ids (as ranges), rank incarnations, the sealed flag and counters, and the released trajectories'
   handoff records (when the controller keeps them).
@@ -26,7 +26,8 @@ released ids as ranges, one key per step, and the records if kept -- the same bo
 The multimodal controller's own state (``MMController``: each trajectory's group and its images' content keys) is
 not journaled: the units re-report it with their manifests (``MMStorageUnit.manifest``), the encodings stay in the
 units' stores, and which unit ships each distinct image is chosen at every claim from those keys.
-Not covered: the journal's own loss (on Ray its actor has no restart: it is the one piece to keep alive). A
+Not covered: the journal's own loss (on Ray the controller's node going down, with the driver placed there by
+default and the units on it; a controller pinned elsewhere by ``controller_node`` shares its node's fate). A
 trajectory never admitted nor completed that sat on a unit lost while the controller was down is unknown to the
 rebuilt controller (no unit reports it): ``Controller.untracked`` names it, and a producer that keeps payloads
 until release re-puts it (``ProducerBuffer.reput_missing``).
@@ -137,6 +138,15 @@ class ControllerJournal:
         self._attached = False
         self._restarts = 0
 
+    def __getstate__(self) -> dict:  # a snapshot of the journal (``journal_file``): everything but the lock
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     # -- written by the controller --------------------------------------------------------------------------
 
     def batch(self, plan: BatchPlan, planned: int) -> None:
@@ -203,7 +213,8 @@ class ControllerJournal:
 
     def write(self, entries: Sequence[tuple[str, tuple]]) -> None:
         """Apply queued writes in order: ``(method, args)`` pairs, each method one of ``WRITES`` (a Ray controller
-        sends what it wrote under its lock in one call before it answers: ``ray_transport.RayJournal``)."""
+        applies and appends what it wrote under its lock in one batch before it answers: ``journal_file.FileJournal``,
+        which replays the same batches after a restart)."""
         for name, args in entries:
             if name not in self.WRITES:
                 raise ValueError(f"not a journal write: {name!r} (one of {self.WRITES})")

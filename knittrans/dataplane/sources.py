@@ -22,24 +22,39 @@ owned by the unit: holding it here keeps the object alive while any of its rows 
 
 from __future__ import annotations
 
+import uuid
 from typing import Mapping, Sequence
 
 import numpy as np
 
-from knittrans.dataplane.types import ShareRuns
+from knittrans.dataplane.types import Retired, ShareRuns
 
 Where = tuple[int, int, int, int]
 """(source key, array of the source, first byte, end byte) of one stored row."""
 
 
+RETIRED_KEPT = 1 << 16
+"""Retired sources the table remembers for readers that have not polled since (``retired_since``); a reader further
+behind is told to reset (``Retired.reset``)."""
+
+
 class SourceTable:
     """The controller's sources: key -> [handle, unit id, rows registered in it]. Not thread-safe: the controller
-    calls it under its lock."""
+    calls it under its lock.
+
+    Retirement: a source whose last row is released will never be named in a claim again; on Ray its handle's
+    object id (``ObjectRef.binary()``) joins a log that remote readers page through (``retired_since``), so a
+    reader keeps each source it mapped (``client.SourceCache``) until it is retired instead of letting go of it
+    between two shares that read it -- a reader never drops its last reference to an object it will be handed
+    again."""
 
     def __init__(self) -> None:
         self._sources: dict[int, list] = {}
         self._next = 0
         self._ids: dict[int, int] = {}  # id(handle) -> key, for the put being registered (``begin`` / ``end``)
+        self._retired: list[bytes] = []  # ids of retired remote sources, oldest first
+        self._retired_base = 0  # retirements trimmed off the head of the log
+        self._log = uuid.uuid4().hex  # this table's log (a restarted controller's is another one)
 
     def add(self, handle: object, unit_id: str, fields: Sequence[tuple[str, tuple[int, int, int] | None]]
             ) -> dict[str, Where]:
@@ -73,7 +88,29 @@ class SourceTable:
                 src[2] -= 1
                 if src[2] <= 0:
                     del self._sources[key]
+                    self._retire(src[0])
         where.clear()
+
+    def _retire(self, handle: object) -> None:
+        binary = getattr(handle, "binary", None)  # an ObjectRef (in process a source is arrays: nobody maps it)
+        if binary is not None:
+            self._retired.append(binary())
+            if len(self._retired) > 2 * RETIRED_KEPT:
+                del self._retired[:RETIRED_KEPT]
+                self._retired_base += RETIRED_KEPT
+
+    def retired_since(self, cursor: tuple[str, int] | None) -> Retired:
+        """The sources retired since ``cursor`` (a reader's position in the log; None: a reader that holds
+        nothing yet), and the reader's new position. ``reset``: the reader's position is not in this log (it fell
+        behind what is kept, or it is a restarted controller's new log): it drops whatever it holds that no share
+        it still holds reads."""
+        end = self._retired_base + len(self._retired)
+        if cursor is None:
+            return Retired((), (self._log, end), False)
+        log, pos = cursor
+        if log != self._log or not self._retired_base <= pos <= end:
+            return Retired((), (self._log, end), True)
+        return Retired(tuple(self._retired[pos - self._retired_base:]), (self._log, end), False)
 
     def clear(self) -> None:
         self._sources.clear()

@@ -18,9 +18,11 @@ nothing lost).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import functools
 from functools import cached_property
+import math
 import sys
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -94,6 +96,11 @@ class ReadTimeoutError(DataPlaneError):
     """A unit did not answer a read within its deadline; the claim was undone (retry, or report the unit lost)."""
 
 
+class ResolveStalledError(ReadTimeoutError):
+    """A share's sources (the units' objects) did not map within ``ray_transport.RESOLVE_TIMEOUT_S`` while their
+    units are alive: the client reads the share through its units instead (``DataPlaneClient.resolve_fallbacks``)."""
+
+
 class ControllerLostError(DataPlaneError):
     """The controller (on Ray: its actor) died and was not restarted: built without a journal
     (``build_ray`` or ``build_mm_ray`` with ``controller_restarts=0``) or its restarts are used up. A controller with a
@@ -107,6 +114,16 @@ class DataPlaneClosedError(RuntimeError):
 class EndOfStream(DataPlaneClosedError):
     """Every mini-batch of every announced batch has been admitted and the stream is sealed: there is no
     ``seq``-th mini-batch to wait for (a consumer's iteration ends)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _np_dtype(name: str) -> np.dtype:
+    return np.dtype(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _row_nbytes(dtype: str, tail: tuple[int, ...]) -> int:
+    return np.dtype(dtype).itemsize * math.prod(tail)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,14 +145,24 @@ class FieldSpec:
         except TypeError as e:
             raise SchemaMismatchError(f"FieldSpec {self.name}: unknown dtype {self.dtype!r}") from e
 
+    @property
+    def np_dtype(self) -> np.dtype:
+        return _np_dtype(self.dtype)
+
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one row (one element of the first axis of a ragged field; the whole value of a fixed one)."""
+        return _row_nbytes(self.dtype, self.tail)
+
     def check(self, traj_id: int, value: np.ndarray) -> None:
-        """Raise ``SchemaMismatchError`` unless ``value`` is an array of this field's dtype and shape."""
-        if value.dtype != np.dtype(self.dtype):
+        """Raise ``SchemaMismatchError`` unless ``value`` is an array of this field's dtype and shape. (Called for
+        every field of every put: the dtype and row size are cached per spec, no numpy reduction per call.)"""
+        if value.dtype != _np_dtype(self.dtype):
             raise SchemaMismatchError(f"trajectory {traj_id}: field {self.name!r} has dtype {value.dtype}, "
                                       f"schema says {self.dtype}")
-        want_ndim = len(self.tail) + (1 if self.ragged else 0)
-        shape = tuple(value.shape)
-        if len(shape) != want_ndim or shape[len(shape) - len(self.tail):] != self.tail:
+        tail = self.tail
+        shape = value.shape
+        if len(shape) != len(tail) + (1 if self.ragged else 0) or (tail and shape[len(shape) - len(tail):] != tail):
             lead = "(n, " if self.ragged else "("
             raise SchemaMismatchError(f"trajectory {traj_id}: field {self.name!r} has shape {shape}, schema says "
                                       f"{lead}{', '.join(map(str, self.tail))})")
@@ -218,8 +245,7 @@ class TrajectorySchema:
 
     def rows_of(self, name: str, nbytes: int) -> int:
         """Rows of field ``name`` that ``nbytes`` bytes hold (what the controller derives lengths from)."""
-        spec = self.get(name)
-        row = np.dtype(spec.dtype).itemsize * int(np.prod(spec.tail, dtype=np.int64))
+        row = self.get(name).row_nbytes
         return nbytes // row if row else 0
 
 
@@ -354,6 +380,26 @@ class ShareLocation:
     runs: "ShareRuns | None" = None
     """The share's bytes as runs of its units' sources (``ShareRuns``): the rank resolves the sources once and copies
     each run into its buffer, no unit call. None: some row has no readable source; the rank reads through the units."""
+
+
+class Retired(NamedTuple):
+    """Sources retired since a reader's position in the controller's log (``SourceTable.retired_since``): their ids
+    (``ObjectRef.binary()``), the reader's new position, and whether it must reset (its position was not in the
+    log)."""
+
+    ids: tuple[bytes, ...]
+    cursor: tuple[str, int] | None
+    reset: bool
+
+
+class Polled(NamedTuple):
+    """A long poll's answer (``Controller.poll``): the incarnation it was fenced by, the shares it claimed, in
+    admission order (none: nothing was admitted within the poll's timeout), and the sources retired since the
+    poller's last answer (``Retired``)."""
+
+    epoch: int
+    locs: tuple[ShareLocation, ...]
+    retired: Retired = Retired((), None, False)
 
 
 @dataclass(frozen=True)

@@ -117,10 +117,10 @@ def build_mm_ray(unit_nodes: Mapping[str, str], rank_nodes: tuple[str, ...], sch
     check_restarts("build_mm_ray", controller_restarts)
     cfg = ControllerConfig(tuple(rank_nodes), balance_slack, equal_counts, records_window)
     ctrl_cls = MMController if cross_unit else functools.partial(MMController, cross_unit=False)
-    ctrl, units, journal = start_actors(schema, unit_nodes, cfg, MMStorageUnitActor,
-                                        lambda u, node: (u, node, schema, hash_fn, dedup), ctrl_cls, policy,
-                                        controller_restarts, controller_node)
+    ctrl, units, restartable = start_actors(schema, unit_nodes, cfg, MMStorageUnitActor,
+                                            lambda u, node: (u, node, schema, hash_fn, dedup), ctrl_cls, policy,
+                                            controller_restarts, controller_node)
     dp = MMRayDataPlane(schema, ctrl, units, prepare or PrepareConfig(), checksums=checksums,
-                        read_timeout_s=read_timeout_s, journal_actor=journal)
+                        read_timeout_s=read_timeout_s, restartable=restartable)
     ray.get([ctrl.stats.remote(), *(a.stats.remote() for a in units.values())])  # wait until all are up
     return dp

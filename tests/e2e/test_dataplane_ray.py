@@ -299,3 +299,54 @@ def test_a_rank_reading_objects_of_a_killed_unit_reports_it_lost_and_gives_the_s
         assert set(dp.controller.missing()) == {t.traj_id for t in batch.trajectories if t.traj_id % 2 == 1}
     finally:
         dp.close()
+
+
+@ray.remote(num_cpus=0)
+class Never:
+    """Hands out a ref that never becomes ready (a task waiting on an event nobody sets)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.event = threading.Event()
+
+    def wait(self) -> int:
+        self.event.wait()
+        return 0
+
+
+def test_a_share_whose_sources_never_map_is_read_through_its_units_and_counted(ray_local, monkeypatch):
+    """The safety net (``RESOLVE_TIMEOUT_S``): a ``ray.get`` of a live unit's objects that never returns costs the
+    rank that bound, then the share is read through its units instead -- same bytes, counted and logged, the
+    stalled ref let go of -- rather than a 300 s read timeout that ends the trainer's iteration."""
+    import dataclasses
+
+    from knittrans.dataplane import ray_transport
+
+    monkeypatch.setattr(ray_transport, "RESOLVE_TIMEOUT_S", 1.0)
+    dp = build_ray(TEXT_SCHEMA, UNITS, RANKS, controller_restarts=0)
+    never = Never.options(max_concurrency=2).remote()
+    try:
+        batch = make_text_batch(TextDataConfig(num_prompts=4, group_size=4, response_len_median=2048,
+                                               max_response_len=4096, prompt_len_mean=32, seed=9))
+        by_id = {t.traj_id: t for t in batch.trajectories}
+        for i, u in enumerate(UNITS):
+            dp.client(u).put([t.payload() for t in batch.trajectories if t.traj_id % 2 == i])
+        mb = batch.minibatches(1)[0]
+        client = dp.client()
+        client.admit(mb)
+        loc = dp.controller.claim(MiniBatchKey(mb.batch_id, mb.index), 0, FIELDS)
+        stuck = never.wait.remote()  # a ref of the same share that never maps: u0's first object stands in
+        runs = dataclasses.replace(loc.runs, sources=(stuck, *loc.runs.sources[1:]))
+        share = client.deliver(dataclasses.replace(loc, runs=runs), ack=False)
+        assert client.resolve_fallbacks == 1 and len(client._sources) == 0  # noqa: SLF001 - nothing stalled kept
+        for name in FIELDS:
+            f = share.fields[name]
+            cu = f.cu_seqlens.tolist()
+            got = [f.values[cu[i]:cu[i + 1]].numpy() for i in range(len(cu) - 1)]
+            assert _digest(got) == _digest(by_id[t].payload().tensors[name] for t in share.traj_ids), name
+        client.ack(share)
+        client.flush_acks()
+    finally:
+        ray.kill(never)
+        dp.close()

@@ -375,7 +375,7 @@ def test_a_long_run_keeps_no_finished_batch_and_a_bounded_record_window_with_exa
         if transport is Transport.RAY:
             import ray
 
-            size = ray.get(h.plane.journal_actor.size.remote())
+            size = h.plane.journal_size()
             assert size["rows"] <= 2 * window and size["events"] == 0  # the journal is bounded the same way
             before = h.staleness()
             h.plane.restart_controller()

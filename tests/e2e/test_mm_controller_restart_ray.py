@@ -79,7 +79,7 @@ def test_a_killed_mm_controller_actor_is_rebuilt_and_every_trajectory_trains_onc
                          max_response_len=max(len(f["advantages"]) for f in fields.values()))
     dp = build_mm_ray(UNITS, RANKS, policy=KnitTransAdmission(c))
     try:
-        assert dp.journal_actor is not None  # restartable by default, as build_ray
+        assert dp.restartable  # restartable by default, as build_ray
         for b in range(BATCHES):
             dp.controller.add_batch(BatchPlan(b, tuple(GroupSpec(b * P + g, b, N) for g in range(P))))
         dp.controller.seal()

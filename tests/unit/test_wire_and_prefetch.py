@@ -5,6 +5,7 @@ actor's packed reads."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 import time
@@ -124,31 +125,23 @@ def test_a_failed_fetch_in_the_middle_ends_the_stream_after_the_shares_before_it
     assert not any(t.is_alive() for t in pf._threads)
 
 
-def test_ray_journal_queues_under_the_lock_and_flushes_in_order_in_one_call(monkeypatch):
-    ray_transport = pytest.importorskip("knittrans.dataplane.ray_transport")
-    sent: list[list] = []
+def test_the_file_journal_queues_under_the_lock_flushes_in_order_and_a_restart_replays_it(tmp_path, monkeypatch):
+    from knittrans.dataplane import journal_file
+    from knittrans.dataplane.journal_file import FileJournal
 
-    class FakeWrite:
-        @staticmethod
-        def remote(batch):
-            time.sleep(0.01)
-            sent.append(list(batch))
-            return None
-
-    class FakeActor:
-        write = FakeWrite
-
-    monkeypatch.setattr(ray_transport, "_journal_call", lambda ref: None)
-    j = ray_transport.RayJournal("j")
-    j.__dict__["actor"] = FakeActor()
+    path = str(tmp_path / "plane.journal")
+    j = FileJournal(path)
+    assert j.attach() is None  # the plane's first controller
+    base = os.path.getsize(path)
     j.count("a", 1)
     j.count("b", 2)
     j.seal()
-    assert sent == []  # queued, nothing sent inside the controller's lock
+    assert os.path.getsize(path) == base  # queued, nothing written inside the controller's lock
     j.flush()
-    assert sent == [[("count", ("a", 1)), ("count", ("b", 2)), ("seal", ())]]
+    grown = os.path.getsize(path)
+    assert grown > base
     j.flush()
-    assert len(sent) == 1  # nothing queued: no call
+    assert os.path.getsize(path) == grown  # nothing queued: no write
 
     def writer(i):
         for k in range(20):
@@ -160,10 +153,28 @@ def test_ray_journal_queues_under_the_lock_and_flushes_in_order_in_one_call(monk
         t.start()
     for t in ths:
         t.join()
-    flat = [e for b in sent[1:] for e in b]
-    for i in range(4):  # every write arrived once, each writer's in its order
-        assert [v for name, (n, v) in flat if n == f"w{i}"] == list(range(20))
-    assert pickle.loads(pickle.dumps(j)).name == "j"  # travels by name only
+    # a restarted controller process replays the file: every write once, in the order the controller made them
+    state = FileJournal(path).attach()
+    assert state.sealed and state.restarts == 1
+    assert all(state.counters[f"w{i}"] == 19 for i in range(4))
+    assert state.counters["a"] == 1 and state.counters["b"] == 2
+    assert FileJournal(path).attach().restarts == 2  # the restart itself is journaled
+    # a frame cut short by a kill mid-append is ignored
+    with open(path, "ab") as f:
+        f.write(b"\x40\x00\x00\x00\x00\x00\x00\x00partial")
+    assert FileJournal(path).attach().restarts == 3
+    # a snapshot bounds the file: with the threshold at one byte, every flush starts it anew
+    monkeypatch.setattr(journal_file, "SNAPSHOT_BYTES", 1)
+    j2 = FileJournal(path)
+    j2.attach()
+    for k in range(50):
+        j2.count("many", k)
+        j2.flush()
+    frame = len(pickle.dumps(("writes", [("count", ("many", 49))]), protocol=pickle.HIGHEST_PROTOCOL)) + 8
+    assert os.path.getsize(path) == j2.size()["file_bytes"] < 50 * frame  # one snapshot, not 50 appended frames
+    assert FileJournal(path).attach().counters["many"] == 49
+    j2.close()
+    assert not os.path.exists(path)
 
     from knittrans.dataplane.recovery import ControllerJournal
 

@@ -1,0 +1,173 @@
+"""The read path's control (issue 25, session 35): a rank's incarnation comes with its first long poll, polls say
+which sources retired, a remote reader keeps what it mapped until then (``SourceCache``), and delayed acks go in
+one call unless a flush asks for them at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from knittrans.dataplane import TrajectoryPayload, build_inprocess
+from knittrans.dataplane.client import SourceCache
+from knittrans.dataplane.feed import AckSender
+from knittrans.dataplane.sources import SourceTable
+from knittrans.dataplane.types import FencedError, MiniBatchKey, Retired, ShareRuns
+from workloads.text_data import TEXT_SCHEMA, TextDataConfig, make_text_batch
+
+UNITS = {"u0": "n0", "u1": "n1"}
+RANKS = ("n0", "n1")
+
+
+class Ref:
+    """An object-store handle as the controller and readers see one (``binary``)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def binary(self) -> bytes:
+        return self.name.encode()
+
+
+def _admitted(seed: int = 0):
+    batch = make_text_batch(TextDataConfig(num_prompts=8, group_size=4, response_len_median=64, max_response_len=512,
+                                           prompt_len_mean=32, seed=seed))
+    dp = build_inprocess(TEXT_SCHEMA, UNITS, RANKS)
+    for i, u in enumerate(UNITS):
+        dp.client(u).put([t.payload() for t in batch.trajectories if t.group_id % 2 == i])
+    for mb in batch.minibatches(4):
+        dp.client().admit(mb)
+    return dp
+
+
+def test_a_poll_answers_with_the_incarnation_it_was_fenced_by_and_times_out_empty():
+    dp = _admitted()
+    ctrl = dp.controller
+    epoch, locs, _ = ctrl.poll(0, 0, TEXT_SCHEMA.names, 2, timeout=1.0)
+    assert epoch == 0 and [loc.seq for loc in locs] == [0, 1] and all(loc.epoch == 0 for loc in locs)
+    assert ctrl.poll(9, 0, TEXT_SCHEMA.names, 1, timeout=0.05).locs == ()  # nothing admitted: empty, no error
+    ctrl.recover_rank(0)
+    with pytest.raises(FencedError):  # the old incarnation is fenced off as before
+        ctrl.poll(2, 0, TEXT_SCHEMA.names, 1, timeout=1.0, epoch=0)
+    assert ctrl.poll(0, 0, TEXT_SCHEMA.names, 1, timeout=1.0).epoch == 1  # a new consumer adopts the new one
+
+
+def test_a_poll_waiting_across_a_recovery_is_fenced_by_the_incarnation_it_arrived_with():
+    dp = _admitted()
+    ctrl = dp.controller
+    got: list = []
+
+    def poll():
+        try:
+            got.append(ctrl.poll(4, 0, TEXT_SCHEMA.names, 1, timeout=5.0))
+        except FencedError as e:
+            got.append(e)
+
+    th = threading.Thread(target=poll)
+    th.start()
+    time.sleep(0.2)  # the poll waits for mini-batch #4 with incarnation 0
+    ctrl.recover_rank(0)
+    extra = make_text_batch(TextDataConfig(num_prompts=2, group_size=4, response_len_median=64, max_response_len=512,
+                                           prompt_len_mean=32, seed=9))
+    from knittrans.types import MiniBatch
+
+    payloads = [TrajectoryPayload(1000 + t.traj_id, t.payload().tensors) for t in extra.trajectories]
+    dp.client("u0").put(payloads)
+    ctrl.admit(MiniBatch(batch_id=1, index=0, traj_ids=tuple(p.traj_id for p in payloads), group_ids=(0,),
+                         num_tokens=sum(int(p.tensors["input_ids"].shape[0]) for p in payloads)))
+    th.join(10)
+    assert isinstance(got[0], FencedError)  # a zombie consumer never adopts the recovered rank's incarnation
+
+
+def test_the_source_table_logs_retired_remote_sources_for_readers_to_page_through():
+    t = SourceTable()
+    a, b = Ref("a"), Ref("b")
+    ra = t.add(a, "u0", [("ids", (0, 0, 8))])
+    rb = [t.add(b, "u0", [("ids", (0, 0, 8))])]
+    t.end_put()
+    start = t.retired_since(None)
+    assert start.ids == () and not start.reset
+    t.release(ra)
+    got = t.retired_since(start.cursor)
+    assert got.ids == (b"a",) and not got.reset
+    assert t.retired_since(got.cursor).ids == ()  # each retirement once per reader
+    t.release(rb[0])
+    assert t.retired_since(got.cursor).ids == (b"b",)
+    assert SourceTable().retired_since(got.cursor).reset  # another table (a restarted controller): reset
+    arrays = (np.arange(4),)  # in process a source is arrays: nobody maps it, nothing is logged
+    t.release(t.add(arrays, "u0", [("ids", (0, 0, 8))]))
+    assert t.retired_since(got.cursor).ids == (b"b",)
+
+
+def _runs(*names: str) -> ShareRuns:
+    return ShareRuns(tuple(Ref(n) for n in names), ("u0",) * len(names), (), ())
+
+
+def test_a_reader_maps_each_source_once_and_keeps_it_until_it_retires():
+    cache, calls = SourceCache(), []
+
+    def resolve(runs):
+        calls.append([h.name for h in runs.sources])
+        return [(np.full(2, ord(h.name[0])),) for h in runs.sources]
+
+    cache.retiring = True  # a feed's polls tell it what retires
+    s1 = (MiniBatchKey(0, 0), 0)
+    first = cache.objects(_runs("a", "b"), s1, resolve)
+    assert [int(x[0][0]) for x in first] == [ord("a"), ord("b")] and calls == [["a", "b"]]
+    cache.release(s1)  # acked: both stay mapped (a later claim names them again)
+    cache.objects(_runs("b", "c"), (MiniBatchKey(0, 1), 0), resolve)
+    assert calls[-1] == ["c"] and len(cache) == 3
+    cache.retire(Retired((b"a",), ("log", 1), False))
+    assert len(cache) == 2
+    cache.retire(Retired((), ("log", 1), True))  # a reset lets go of what no unacked share reads
+    assert len(cache) == 2  # b and c are read by the unacked share (0, 1)
+    cache.release((MiniBatchKey(0, 1), 0))
+    cache.retire(Retired((), ("log", 1), True))
+    assert len(cache) == 0
+
+
+def test_without_a_feed_a_reader_lets_go_once_no_unacked_share_reads_a_source_and_a_failed_map_leaves_nothing():
+    cache = SourceCache()
+    user = (MiniBatchKey(0, 0), 1)
+    cache.objects(_runs("a"), user, lambda runs: [(np.zeros(1),) for _ in runs.sources])
+    assert len(cache) == 1
+    cache.release(user)
+    assert len(cache) == 0
+
+    def broken(runs):
+        raise RuntimeError("lost")
+
+    with pytest.raises(RuntimeError):
+        cache.objects(_runs("x"), user, broken)
+    assert len(cache) == 0
+
+
+class RecordingController:
+    def __init__(self) -> None:
+        self.calls: list[list] = []
+
+    def ack_many(self, batch) -> None:
+        self.calls.append(list(batch))
+
+
+def test_delayed_acks_go_in_one_call_and_a_flush_sends_at_once():
+    ctrl = RecordingController()
+    sender = AckSender(ctrl, delay_s=5.0)
+    for k in range(3):
+        sender.send(MiniBatchKey(0, k), 0, ("input_ids",), 0)
+    time.sleep(0.1)
+    assert ctrl.calls == []  # held for more
+    t = time.perf_counter()
+    sender.flush(timeout=2.0)
+    assert time.perf_counter() - t < 2.0 and [len(c) for c in ctrl.calls] == [3]
+    sender.close()
+    prompt = RecordingController()
+    at_once = AckSender(prompt)  # delay 0: a plain client's acks go at once
+    at_once.send(MiniBatchKey(0, 0), 0, ("input_ids",), None)
+    deadline = time.perf_counter() + 2.0
+    while not prompt.calls and time.perf_counter() < deadline:
+        time.sleep(0.005)
+    assert [len(c) for c in prompt.calls] == [1]
+    at_once.close()
