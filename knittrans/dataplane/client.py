@@ -37,6 +37,7 @@ import numpy as np
 
 from knittrans.dataplane import trace
 from knittrans.dataplane.buffers import BufferPool, aligned, copy_rows, process_pool
+from knittrans.dataplane.columns import PutColumns, columns_of
 from knittrans.dataplane.types import (AdmittedMiniBatch, DataPlaneClosedError, DataPlaneError, MiniBatchKey,
                                        PackedField, PackedShare, PutRecord, SchemaMismatchError, ShareLocation,
                                        ResolveStalledError, Retired, ShareRuns, ShareTooLargeError, TrajectoryPayload,
@@ -53,6 +54,7 @@ class ControllerAPI(Protocol):
     """What a client needs from a controller; ``Controller`` and the Ray proxy implement it."""
 
     def register(self, records: Sequence[PutRecord]) -> tuple[int, ...] | None: ...
+    def register_columns(self, unit_id: str, cols: PutColumns, source: object = None) -> tuple[int, ...]: ...
     def admit(self, mb: MiniBatch) -> AdmittedMiniBatch: ...
     def next_admitted(self, seq: int, timeout: float | None = None) -> AdmittedMiniBatch: ...
     def claim(self, key: MiniBatchKey, rank: int, fields: Sequence[str],
@@ -405,11 +407,24 @@ class DataPlaneClient:
             from knittrans.dataplane.faults import with_checksums
 
             payloads = with_checksums(payloads)
+        unit_api = self.units[unit_id]
+        cols = columns_of(payloads, self.schema) if getattr(unit_api, "put_columns", None) is not None else None
         try:
-            records = self.units[unit_id].put(payloads)
+            got = unit_api.put_columns(*cols) if cols is not None else None  # type: ignore[attr-defined]
+            records = got if isinstance(got, list) else unit_api.put(payloads) if got is None else None
         except UnitLostError:
             self.controller.lose_unit(unit_id)  # whoever sees a unit die reports it (idempotent)
             raise
+        if records is None:  # the plain case, stored as columns: registered as columns (``columns``)
+            assert cols is not None
+            try:
+                skipped = self.controller.register_columns(unit_id, cols[0], got)
+            except (DataPlaneError, DataPlaneClosedError):
+                drop_confirmed(unit_api, cols[0].traj_ids.tolist(), cols[0].names)  # take back exactly this put
+                raise
+            if skipped:
+                unit_api.drop(skipped)
+            return
         try:
             skipped = self.controller.register(records)
         except (DataPlaneError, DataPlaneClosedError):

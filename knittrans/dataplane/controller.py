@@ -36,9 +36,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Sequence
 
+import numpy as np
+
 from knittrans.dataplane.assign import ShareItem, assign_shares
+from knittrans.dataplane.columns import PutColumns, records_of
 from knittrans.dataplane.idset import IdRanges
-from knittrans.dataplane.puts import check_completions, strip_repeats
+from knittrans.dataplane.puts import check_completions, columns_take_fast_path, strip_repeats
 from knittrans.dataplane.records import HandoffRecord, RecordLog
 from knittrans.dataplane.recovery import CompleteEvent, ControllerJournal, JournalState, Released, rebuild
 from knittrans.dataplane.sources import SourceTable, Where
@@ -242,6 +245,60 @@ class Controller:
                 self._cv.notify_all()  # a re-put may complete a share that claim_next waits for
             return tuple(sorted(skip))
 
+    def register_columns(self, unit_id: str, cols: PutColumns, source: object = None) -> tuple[int, ...]:
+        """``register`` for a columnar put (``columns``; ``source``: where its unit keeps it, one array per field
+        of ``cols.names`` in order, as ``PutRecord.source``): the plain case -- every trajectory new or held on this
+        unit without these fields, every completion valid (``puts.columns_take_fast_path``) -- without a record or
+        a check per field per trajectory; any other case registers the same put as records (``register``), which
+        decides it and names what it refuses."""
+        with self._cv:
+            policy = self.policy
+            if (not self._closed and unit_id in self.unit_nodes and self._plain_registration()
+                    and np.unique(cols.traj_ids).shape[0] == len(cols)
+                    and columns_take_fast_path(cols, unit_id, self._trajs, self._released_ids,
+                                               self._consumed_after_loss, None if policy is None else self._groups,
+                                               self._arrived, self.schema,
+                                               0 if policy is None else policy.constraints.max_response_len)):
+                self._register_columns_locked(unit_id, cols, source)
+                return ()
+        return self.register(records_of(unit_id, cols, source, self.schema))
+
+    def _plain_registration(self) -> bool:
+        """A subclass that keeps per-trajectory state of its own at registration registers records only."""
+        return (type(self)._registered_locked is Controller._registered_locked
+                and type(self)._strip_repeats_locked is Controller._strip_repeats_locked)
+
+    def _register_columns_locked(self, unit_id: str, cols: PutColumns, source: object) -> None:
+        rows = [self.schema.get(n).row_nbytes for n in cols.names]
+        offs = [cols.offsets(j).tolist() for j in range(len(cols.names))]
+        key = None if source is None else self._sources.add_many(source, unit_id, len(cols) * len(cols.names))
+        tok = cols.names.index(self.schema.token_field) if self.schema.token_field in cols.names else None
+        tokens = cols.lengths[tok].tolist() if tok is not None else None
+        metas = cols.metas if self.policy is not None else None
+        completing = []
+        for i, t in enumerate(cols.traj_ids.tolist()):
+            st = self._trajs.get(t)
+            if st is None:
+                st = self._trajs[t] = _TrajState(unit_id=unit_id)
+            for j, name in enumerate(cols.names):
+                a, b = offs[j][i] * rows[j], offs[j][i + 1] * rows[j]
+                st.fields[name] = b - a
+                if key is not None:
+                    st.where[name] = (key, j, a, b)
+            if tokens is not None:
+                st.num_tokens = tokens[i]
+            if metas is not None and metas[i] is not None:
+                completing.append((t, metas[i]))
+        for t, m in completing:
+            self._complete_one(t, m)
+        if completing:
+            if self._journal is not None:  # before the decisions they trigger (a replay asks at this point)
+                self._journal.complete(CompleteEvent(tuple(m for _, m in completing),
+                                                     self._trajs[completing[0][0]].t_complete), self._completed)
+            self._admit_ready_locked()
+        if len(cols):
+            self._cv.notify_all()
+
     def _strip_repeats_locked(self, records: Sequence[PutRecord]) -> list[PutRecord]:
         """Idempotent puts: what a retried put repeats is dropped (``puts.strip_repeats``; a subclass hook)."""
         return strip_repeats(records, self._trajs)
@@ -290,12 +347,16 @@ class Controller:
         """Hook: ``records`` were just registered, before any admission they trigger (lock held)."""
 
     def _complete_locked(self, r: PutRecord) -> None:
-        assert self.policy is not None and r.meta is not None
-        st = self._trajs[r.traj_id]
-        st.meta, st.t_complete = r.meta, time.perf_counter() - self._t0
-        self._arrived[r.meta.group_id] = self._arrived.get(r.meta.group_id, 0) + 1
+        assert r.meta is not None
+        self._complete_one(r.traj_id, r.meta)
+
+    def _complete_one(self, traj_id: int, meta: Trajectory) -> None:
+        assert self.policy is not None
+        st = self._trajs[traj_id]
+        st.meta, st.t_complete = meta, time.perf_counter() - self._t0
+        self._arrived[meta.group_id] = self._arrived.get(meta.group_id, 0) + 1
         self._completed += 1
-        self.policy.on_complete(r.meta)
+        self.policy.on_complete(meta)
 
     def _admit_ready_locked(self) -> None:
         """Admit every mini-batch the policy commits now (it is asked until it commits nothing). A policy that

@@ -6,8 +6,9 @@ controller calls them under its lock); they raise, never mutate."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Container, Mapping, Sequence
 
+from knittrans.dataplane.columns import PutColumns
 from knittrans.dataplane.types import AdmissionStateError, DuplicatePutError, PutRecord, TrajectorySchema
 from knittrans.types import Trajectory
 
@@ -73,3 +74,40 @@ def check_completions(records: Sequence[PutRecord], trajs: Mapping[int, Any], gr
         lengths.update({fm.name: fm.length for fm in r.fields})
         schema.check_num_tokens(r.traj_id, m.num_tokens, lengths)
     return done
+
+
+def columns_take_fast_path(cols: PutColumns, unit_id: str, trajs: Mapping[int, Any], released: Container[int],
+                           consumed_after_loss: Container[int], groups: Mapping[int, tuple[int, int]] | None,
+                           arrived: Mapping[int, int], schema: TrajectorySchema, max_response_len: int) -> bool:
+    """Whether a columnar put (``columns``) registers as the plain case: every trajectory new, or held on this same
+    unit without any of these fields (and, if this put completes it, not completed yet), and every completion valid
+    as ``check_completions`` checks it (``groups`` None: no admission policy, metadata is ignored). False: the
+    controller registers the put as records instead (``Controller.register``), which handles a re-put, a repeat or a
+    refusal and names it. Pure: it raises nothing and changes nothing."""
+    names = cols.names
+    metas = cols.metas if groups is not None else None
+    extra: dict[int, int] = {}
+    for i, t in enumerate(cols.traj_ids.tolist()):
+        st = trajs.get(t)
+        if t in consumed_after_loss or (st is None and t in released):
+            return False
+        if st is not None and (st.unit_id != unit_id or any(n in st.fields for n in names)):
+            return False
+        m = metas[i] if metas is not None else None
+        if m is None:
+            continue
+        if m.traj_id != t or (st is not None and st.meta is not None):
+            return False
+        g = groups.get(m.group_id)  # type: ignore[union-attr]
+        if g is None or g[0] != m.batch_id or m.num_tokens > max_response_len:
+            return False
+        extra[m.group_id] = extra.get(m.group_id, 0) + 1
+        if arrived.get(m.group_id, 0) + extra[m.group_id] > g[1]:
+            return False
+        if st is not None:  # fields put before this one must agree with the metadata too
+            for n, b in st.fields.items():
+                rows = schema.rows_of(n, b) if b else None
+                if rows is not None and ((n in schema.response_fields and rows != m.num_tokens)
+                                         or (n == schema.token_field and rows < m.num_tokens)):
+                    return False
+    return True

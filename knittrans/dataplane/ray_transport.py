@@ -40,6 +40,7 @@ import numpy as np
 import ray
 
 from knittrans.dataplane import trace
+from knittrans.dataplane.columns import PutColumns, payloads_of
 from knittrans.dataplane.wire import WireList, array_layout, from_wire, join_arrays, split_arrays, to_wire, unwrap
 from knittrans.dataplane.client import DataPlaneClient, PrepareConfig
 from knittrans.dataplane.controller import Controller, ControllerConfig, ControllerStats, HandoffRecord
@@ -164,9 +165,31 @@ class UnitHost:
             return self.put(from_wire(join_arrays(wire, arrays)))
         ref = ray.put(tuple(arrays))
         stored = ray.get(ref)
-        payloads = from_wire(join_arrays(wire, stored))
+        return self._stored_records(from_wire(join_arrays(wire, stored)), ref, stored, array_layout(wire, "tensors"))
+
+    def put_columns(self, cols: PutColumns, arrays: tuple[np.ndarray, ...]) -> "ray.ObjectRef | WireList":
+        """A columnar put (``columns``): its arrays become one object of this unit's, as ``put_stored``'s, and in
+        the plain case (``StorageUnit.put_columns``) the unit answers with that object alone: the producer registers
+        the columns it already has (``Controller.register_columns``). Any other case -- a column check that fails, a
+        field held already, a multimodal or fault-injecting unit -- is stored payload by payload and answered with
+        records, as ``put_stored`` answers."""
+        if not self.STORED_PUTS:
+            return self.put(payloads_of(cols, arrays))
+        ref = ray.put(tuple(arrays))
+        stored = ray.get(ref)
+        fast = getattr(self.unit, "put_columns", None) if self._direct else None
+        if fast is not None and fast(cols, stored) is not None:
+            self._objects().add(ref, [(t, n) for t in cols.traj_ids.tolist() for n in cols.names])
+            return ref
+        layout = (cols.names, 0, tuple(cols.offsets(j) for j in range(len(cols.names))))
+        return self._stored_records(payloads_of(cols, stored), ref, stored, layout)
+
+    def _stored_records(self, payloads: list[TrajectoryPayload], ref: "ray.ObjectRef", stored: tuple,
+                        layout: tuple | None) -> WireList:
+        """Store ``payloads`` (views of this unit's object ``ref``, whose arrays are ``stored``; ``layout``: where
+        each payload's fields lie in them, ``wire.array_layout``) and answer with their records, each naming the
+        object and its rows' byte ranges."""
         records = self._put_views(payloads)
-        layout = array_layout(wire, "tensors")
         rows, out = [], []
         col = {} if layout is None else {k: layout[1] + j for j, k in enumerate(layout[0])}
         for i, (p, r) in enumerate(zip(payloads, records)):
@@ -301,6 +324,9 @@ class ControllerHost:
 
     def register(self, records: Sequence[PutRecord] | WireList) -> tuple[int, ...]:
         return self.ctrl.register(unwrap(records))
+
+    def register_columns(self, unit_id: str, cols: PutColumns, source: list) -> tuple[int, ...]:
+        return self.ctrl.register_columns(unit_id, cols, source[0])  # [ref]: see RayControllerProxy.register_columns
 
     def admit(self, mb: MiniBatch) -> AdmittedMiniBatch:
         return self.ctrl.admit(mb)
@@ -466,6 +492,10 @@ class RayControllerProxy:
     def register(self, records: Sequence[PutRecord]) -> tuple[int, ...]:
         return _call(self.actor.register.remote(WireList(records)))
 
+    def register_columns(self, unit_id: str, cols: PutColumns, source: object = None) -> tuple[int, ...]:
+        # the unit's ObjectRef travels in a list: a top-level ref argument would arrive as the object's value
+        return _call(self.actor.register_columns.remote(unit_id, cols, [source]))
+
     def admit(self, mb: MiniBatch) -> AdmittedMiniBatch:
         return _call(self.actor.admit.remote(mb))
 
@@ -570,6 +600,12 @@ class RayUnitProxy:
         if arrays and sum(int(a.nbytes) for a in arrays) >= max(1, STORE_MIN_BYTES):
             return unwrap(_call(self.actor.put_stored.remote(rest, arrays), self.unit_id))
         return unwrap(_call(self.actor.put.remote(WireList(payloads)), self.unit_id))
+
+    def put_columns(self, cols: PutColumns, arrays: tuple[np.ndarray, ...]) -> "ray.ObjectRef | list[PutRecord]":
+        """A columnar put (``UnitHost.put_columns``): the unit's object (the plain case) or the records of the
+        same put stored payload by payload."""
+        got = _call(self.actor.put_columns.remote(cols, arrays), self.unit_id)
+        return unwrap(got) if isinstance(got, WireList) else got
 
     def get(self, traj_ids: Sequence[int], fields: Sequence[str]) -> UnitChunk:
         return _call(self.actor.get.remote(tuple(traj_ids), tuple(fields)), self.unit_id, self.read_timeout_s)

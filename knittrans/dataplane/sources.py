@@ -70,6 +70,13 @@ class SourceTable:
         self._sources[key][2] += len(out)
         return out
 
+    def add_many(self, handle: object, unit_id: str, rows: int) -> int:
+        """Register a put's source holding ``rows`` rows at once (a columnar put: the controller builds each row's
+        ``Where`` from the key returned); ``rows`` > 0."""
+        key, self._next = self._next, self._next + 1
+        self._sources[key] = [handle, unit_id, rows]
+        return key
+
     def end_put(self) -> None:
         """The put's records are registered: forget the handles' ids (a later put's handle may reuse one), and a
         source none of whose rows was new (every field a repeat)."""

@@ -21,6 +21,7 @@ from typing import ClassVar, Iterator, Sequence, TypeVar
 import numpy as np
 
 from knittrans.dataplane.buffers import BufferPool, aligned, copy_rows
+from knittrans.dataplane.columns import PutColumns, check_columns
 from knittrans.dataplane.types import (DuplicatePutError, FieldMeta, FieldNotProducedError, PutRecord,
                                        ReadTimeoutError, SchemaMismatchError, TrajectoryPayload, TrajectorySchema,
                                        UnitChunk, as_numpy)
@@ -239,6 +240,30 @@ class StorageUnit:
                     source=None if runs is None else runs.arrays,
                     where=() if runs is None else tuple(runs.where(n, i) for n in arrs)))
         return records
+
+    def put_columns(self, cols: PutColumns, arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, ...] | None:
+        """Store a columnar put (``columns``): ``arrays`` are the put's fields, one array per field with every
+        trajectory's rows back to back, owned by this unit from now on and never written again (in process the
+        concatenation the client made is the put's one copy; on Ray the unit's own object's read-only views).
+        Returns the put's source (the arrays, as ``PutRecord.source``). None -- nothing stored -- when a column check
+        fails (``check_columns``) or a trajectory already holds one of these fields here (a retry or a duplicate):
+        the caller takes the per-payload path, which decides and names it."""
+        if not check_columns(self.schema, cols, arrays):
+            return None
+        ids = cols.traj_ids.tolist()
+        offs = [cols.offsets(j) for j in range(len(cols.names))]
+        for a in arrays:
+            a.flags.writeable = False
+        with self._lock:
+            for t in ids:
+                held = self._data.get(t)
+                if held is not None and any(name in held for name in cols.names):
+                    return None
+            for i, t in enumerate(ids):
+                self._data.setdefault(t, {}).update(
+                    {name: a[off[i]:off[i + 1]] for name, a, off in zip(cols.names, arrays, offs)})
+            self._nbytes += sum(int(a.nbytes) for a in arrays)
+        return tuple(arrays)
 
     BOUNDED_GET: ClassVar[bool] = True
     """``get`` waits on nothing but this unit's lock (``lock_timeout`` bounds that) and runs no unbounded code, so

@@ -197,6 +197,7 @@ class MMStorageUnit(StorageUnit):
     trajectories that show them, released when the controller says those trajectories are consumed."""
 
     BOUNDED_GET = False  # its get also waits on the image occurrences' lock and the encoding store
+    put_columns = None  # its puts keep per-trajectory image state: payload by payload (``storage.put``)
 
     def __init__(self, unit_id: str, node: str, schema: TrajectorySchema = MM_SCHEMA,
                  hash_fn: HashFn = encoding_hash_fn, dedup: bool = True) -> None:

@@ -303,7 +303,9 @@ def knittrans_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
     there (in the order they ran). The rank takes its shares in order: share k is held once it is packed and once
     the rank's turn after share k-1 ended ("turn": from taking share k-1 to asking for share k, its step and its
     ack: a round trip to the controller and the units' drops); the pass ends when every rank holds its last share.
-    A trace without turns (recorded before they were) holds each share when it is packed. Ranks run in parallel."""
+    A trace without turns (recorded before they were) holds each share when it is packed. Ranks run in parallel.
+    A share whose sources the rank had mapped already (``client.SourceCache``, since session 35) has no lookup, pull
+    or unpickle: its pack follows its claim."""
     cpu: dict[tuple[str, str], CpuEvent] = {(e.label, e.key): e for e in events if isinstance(e, CpuEvent)}
     reads: dict[str, list[FlowEvent]] = {}
     for e in events:
@@ -326,17 +328,19 @@ def knittrans_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
             prev = (f"pack:{last}",) if last is not None else ()
             gap = max(0.0, claim.t_start - cpu[("pack", last)].t_end) if last is not None else 0.0
             claim_s = claim.t_end - max(claim.t_start, t0)
+            source = cpu.get(("source", key))
             tasks += [Task(f"gap:{key}", prev, gap), Task(f"claim:{key}", (f"gap:{key}",), max(0.0, claim_s)),
-                      Task(f"source:{key}", (f"claim:{key}",), _dur(cpu[("source", key)]))]
+                      Task(f"source:{key}", (f"claim:{key}",), 0.0 if source is None else _dur(source))]
             fl = [Task(f"read:{key}:{i}", (f"source:{key}",), src=f.src, dst=f.dst, nbytes=f.nbytes)
                   for i, f in enumerate(reads.get(key, []))]
             tasks += fl
             after = tuple(t.name for t in fl) or (f"source:{key}",)
+            deser, pack = cpu.get(("deser", key)), cpu[("pack", key)]
             tasks += [Task(f"deser:{key}", after + ((before[key],) if key in before else ()),
-                           _dur(cpu[("deser", key)])),
+                           0.0 if deser is None else _dur(deser)),
                       # from the unpickle's end: the wait for the rank's interpreter before packing is its cost too
                       Task(f"pack:{key}", (f"deser:{key}",),
-                           max(0.0, cpu[("pack", key)].t_end - cpu[("deser", key)].t_end))]
+                           max(0.0, pack.t_end - (pack.t_start if deser is None else deser.t_end)))]
         order = sorted(keys, key=lambda k: int(k.rsplit("/s", 1)[1]))  # the order the rank takes its shares
         for i, key in enumerate(order):
             prev = order[i - 1] if i else None
