@@ -66,8 +66,10 @@ class ClusterConfig:
     """Also run the passes on one raylet (the one-machine measurement beside the multi-raylet one)."""
     object_store_mib: int = 300
     """Object store of each raylet of the cluster."""
-    calibration_mib: list[int] = field(default_factory=lambda: [4, 16, 48])
-    """Sizes of the single-flow calibration pulls before each multi-raylet pass (two at once: 32 MiB each)."""
+    calibration_kib: list[int] = field(default_factory=lambda: [64, 4096, 16384, 49152])
+    """Sizes (KiB) of the single-flow calibration pulls before each multi-raylet pass (two at once: 32 MiB each).
+    64 KiB since session 35: a KnitTrans share's field objects are 1-25 KB and its images' ~8 MB, and the per-flow
+    latency fitted as the intercept of 4-48 MiB pulls alone swung 3-19 ms between passes of one run."""
     calibration_repeats: int = 3
     """Calibration repeats before each pass; the pass's link is the median repeat's fit
     (``cluster_model.fit_link_repeats``). 1 until issue 25: the fit's verdict then flipped between two runs of the
@@ -179,11 +181,12 @@ def multi_raylet_trace(cfg: ClusterConfig, src, meta: dict):  # noqa: ANN001, AN
         layout = BenchLayout(R, U, placement=place)
         with RaySession(R, rank_nodes=place.rank_nodes, signal_node=place.driver_node) as session:
             systems = systems_of(cfg, layout, session, trace=True)
-            sizes = tuple(m << 20 for m in cfg.calibration_mib)
+            sizes = tuple(k << 10 for k in cfg.calibration_kib)
             try:
                 # Unrecorded warm-up: the first pulls into a raylet's fresh object store pay its page faults (a
                 # first run measured pass 0's calibration at half the later bandwidth, and the model 77% off on
                 # that pass), then one batch per system (its actors, the driver's first dense batch).
+                cluster.warm_stores()
                 calibrate(cluster.node_ids, sizes, repeats=1)
                 for i, s in enumerate(systems):
                     s.run_raw(src.make(50 + i, 1))

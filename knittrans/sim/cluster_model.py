@@ -297,7 +297,7 @@ def knittrans_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
     part of the share and the units' work and serialization ("source"), one pull per unit ("read" flows,
     concurrent with every other flow), the unpickle ("deser") and packing ("pack"). A claim waits for the rank's
     latest share whose packing had ended when the claim started, plus the measured gap (the hand-over); a claim
-    that started before any of the rank's packs ended starts at t0. So one fetch after another (a prefetcher with
+    that started before any of the rank's packs ended starts when it was asked for (t0 at the earliest). So one fetch after another (a prefetcher with
     one worker) chains every share, and the prefetcher's ``depth`` concurrent fetches (since 3f775ac) overlap
     their claims and reads as they did. A rank's unpickling and packing run in its one process, so they take turns
     there (in the order they ran). The rank takes its shares in order: share k is held once it is packed and once
@@ -326,7 +326,9 @@ def knittrans_graph(events: Sequence[TraceEvent], t0: float) -> list[Task]:
             done = [k for k in keys if ("pack", k) in cpu and cpu[("pack", k)].t_end <= claim.t_start]
             last = max(done, key=lambda k: cpu[("pack", k)].t_end, default=None)
             prev = (f"pack:{last}",) if last is not None else ()
-            gap = max(0.0, claim.t_start - cpu[("pack", last)].t_end) if last is not None else 0.0
+            # the hand-over after the rank's last packed share, or (its first fetches) the rank's own start: a rank
+            # actor that begins iterating after t0 asks late, and its share cannot arrive before it asks
+            gap = max(0.0, claim.t_start - (cpu[("pack", last)].t_end if last is not None else t0))
             claim_s = claim.t_end - max(claim.t_start, t0)
             source = cpu.get(("source", key))
             tasks += [Task(f"gap:{key}", prev, gap), Task(f"claim:{key}", (f"gap:{key}",), max(0.0, claim_s)),

@@ -106,7 +106,7 @@ def test_multi_raylet_passes_record_cross_node_flows_for_both_systems(tmp_path):
     from workloads.multimodal_data import MMTransferWorkload
 
     cfg = ClusterConfig(multimodal=MMTransferWorkload(prompts_per_batch=4, group_size=4, image_side=112),
-                        passes=1, calibration_mib=[2, 8], logger="none")
+                        passes=1, calibration_kib=[64, 2048, 8192], logger="none")
     trace = multi_raylet_trace(cfg, passes_of(cfg), {"memcpy_gbps": 5.0})
     t = read_trace(write_trace(tmp_path / "trace.jsonl", trace))
     assert {p.system for p in t.passes} == {"centralized", "knittrans-ray", "verl"}
