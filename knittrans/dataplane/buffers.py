@@ -53,6 +53,8 @@ class BufferPool:
             raise ValueError(f"BufferPool.max_buffers must be >= 0, got {max_buffers}")
         self.max_buffers = max_buffers
         self._bufs: list[np.ndarray] = []
+        self._used: list[int] = []  # per buffer, when it was last handed out (a counter)
+        self._clock = 0
         self._lock = threading.Lock()
         self._bufs.append(np.empty(1, dtype=np.uint8))
         self._free_refs = self._refs(0)  # the count of a buffer only the pool holds, measured, not assumed
@@ -80,21 +82,25 @@ class BufferPool:
             raise ValueError(f"BufferPool.take: nbytes must be >= 0, got {nbytes}")
         with self._lock:
             best, spare = -1, -1
+            self._clock += 1
             for i in range(len(self._bufs)):
                 if self._refs(i) != self._free_refs:
                     continue  # a share carved from it is still alive
-                if self._bufs[i].nbytes >= nbytes and (best < 0 or self._bufs[i].nbytes < self._bufs[best].nbytes):
-                    best = i
-                elif spare < 0:
+                if self._bufs[i].nbytes >= nbytes and (best < 0 or self._used[i] > self._used[best]):
+                    best = i  # of the free ones that fit, the most recently used: its lines are likeliest cached
+                elif self._bufs[i].nbytes < nbytes and spare < 0:
                     spare = i
             if best >= 0:
+                self._used[best] = self._clock
                 return self._bufs[best][:nbytes]
             size = -(-(nbytes + nbytes // 8) // _GRAIN) * _GRAIN
             if spare >= 0:  # a free buffer too small for this share: replace it rather than grow the pool
                 self._bufs[spare] = self._alloc(size)
+                self._used[spare] = self._clock
                 return self._bufs[spare][:nbytes]
             if len(self._bufs) < self.max_buffers:
                 self._bufs.append(self._alloc(size))
+                self._used.append(self._clock)
                 return self._bufs[-1][:nbytes]
         return self._alloc(nbytes)  # every pooled buffer is in use: an ordinary allocation, freed with its share
 
