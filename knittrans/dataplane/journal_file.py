@@ -75,6 +75,7 @@ class FileJournal:
         self._since_snapshot = 0
         self._snapshot_size = 0
         self._file_bytes = 0
+        self._closed = False
 
     # -- start and restart ---------------------------------------------------------------------------------------
 
@@ -137,14 +138,15 @@ class FileJournal:
         with self._flush_lock:
             if self._broken is not None:
                 raise self._broken
-            if self._written >= target:
+            if self._written >= target or self._closed:  # nothing new, or closed (the plane is gone)
                 return
+            if self._fd is None:
+                raise RuntimeError("FileJournal.flush before attach(): the controller attaches as it starts")
             with self._queue_lock:
                 batch, self._pending, upto = self._pending, [], self._queued
             try:
                 self.journal.write(batch)
                 blob = pickle.dumps(("writes", batch), protocol=pickle.HIGHEST_PROTOCOL)
-                assert self._fd is not None, "FileJournal.attach() runs before the first flush"
                 os.write(self._fd, _HEADER.pack(len(blob)) + blob)
                 self._since_snapshot += len(blob)
                 self._file_bytes += _HEADER.size + len(blob)
@@ -190,6 +192,7 @@ class FileJournal:
     def close(self) -> None:
         """Remove the file (the plane is closed: nothing will be recovered)."""
         with self._flush_lock:
+            self._closed = True
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None

@@ -240,3 +240,16 @@ def test_a_unit_keeps_its_object_until_its_last_stored_row_is_dropped():
     assert objs.num_objects == 1  # 8's loss_mask still lies in it
     objs.drop([8], None)
     assert objs.num_objects == 0
+
+
+def test_a_closed_file_journal_takes_no_more_writes_and_leaves_no_file(tmp_path):
+    from knittrans.dataplane.journal_file import FileJournal
+
+    path = str(tmp_path / "p.journal")
+    j = FileJournal(path)
+    j.attach()
+    j.seal()
+    j.close()
+    j.count("late", 1)
+    j.flush()  # a reply after close (the controller's wrapper flushes every call): nothing to write, no error
+    assert not os.path.exists(path)
