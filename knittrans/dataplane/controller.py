@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from knittrans.dataplane.puts import PutRegistry, _TrajState
 from knittrans.dataplane.records import HandoffRecord, RecordLog
 from knittrans.dataplane.recovery import ControllerJournal, JournalState, Released, rebuild
 from knittrans.dataplane.sources import SourceTable
-from knittrans.dataplane.types import (AdmissionStateError, AdmittedMiniBatch, AlreadyConsumedError,
+from knittrans.dataplane.types import (CLOCK_DOMAIN, AdmissionStateError, AdmittedMiniBatch, AlreadyConsumedError,
                                        DataLostError, DataPlaneClosedError, DataPlaneError, EndOfStream, FencedError,
                                        FieldNotProducedError, MiniBatchKey, Polled, PutRecord, ShareLocation,
                                        ShareRuns, TrajectorySchema, UnknownMiniBatchError)
@@ -354,7 +355,8 @@ class Controller(PutRegistry):
                                  unit_ids=tuple(self._trajs[t].unit_id or "" for t in traj_ids),
                                  fields=tuple(fields), nbytes=nbytes, checksums=sums, seq=st.admitted.seq,
                                  group_ids=st.admitted.group_ids,
-                                 epoch=-1 if epoch is None else epoch, runs=self._share_runs(traj_ids, fields, rank))
+                                 epoch=-1 if epoch is None else epoch, runs=self._share_runs(traj_ids, fields, rank),
+                                 admitted_at=math.nan if st.restored else self._t0 + st.t_admit, clock=CLOCK_DOMAIN)
 
     @staticmethod
     def _retried_claim(st: _MiniBatchState, rank: int, fields: Sequence[str], epoch: int | None) -> bool:

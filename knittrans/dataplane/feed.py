@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from knittrans.dataplane.types import DataPlaneClosedError, MiniBatchKey, Retired, ShareLocation
+from knittrans.dataplane.types import CLOCK_DOMAIN, DataPlaneClosedError, MiniBatchKey, Retired, ShareLocation
 
 POLL_S = 0.5
 """Longest single wait of the long poll (sliced so that ``close`` is honoured: a remote call cannot be
@@ -41,8 +41,20 @@ a release (``Handoff.version``) sees the step; ``flush`` (the end of the stream,
 @dataclass(frozen=True)
 class _Got:
     loc: ShareLocation
-    transit_s: float  # the poll's round trip less the controller's wait for admission (0 for all but its first)
+    transit_s: float  # the control path's time after the admission (``_since_admission``)
     t_arrived: float
+
+
+def _since_admission(loc: ShareLocation, now: float, estimate: float) -> float:
+    """How long the share's location took to reach this reader after its mini-batch was admitted: ``now`` less the
+    controller's admission stamp where both clocks are one (``ShareLocation.clock``: same machine), else
+    ``estimate`` (the poll's round trip less the controller's wait for the admission; 0 for a poll's later
+    shares). The estimate errs both ways: a poll queued at a busy controller until after the admission counts the
+    queueing before the admission as control time, and a poll woken by the admission counts its wait for the
+    controller's GIL as waiting for data."""
+    if loc.clock == CLOCK_DOMAIN and loc.admitted_at == loc.admitted_at:  # not NaN
+        return max(0.0, now - loc.admitted_at)
+    return max(0.0, estimate)
 
 
 @dataclass(frozen=True)
@@ -111,13 +123,14 @@ class ShareFeed:
                 self.on_retired(retired)
             if not locs:
                 continue  # nothing admitted within the poll's timeout
-            transit = max(0.0, now - t - locs[0].waited_s)
+            transit = [_since_admission(loc, now, now - t - loc.waited_s if i == 0 else 0.0)
+                       for i, loc in enumerate(locs)]
             with self._cv:
                 if self._stop:  # closed while the poll was out: give the claims back
                     self._unclaim(locs)
                     return
                 for i, loc in enumerate(locs):
-                    self._got[seq + i] = _Got(loc, transit if i == 0 else 0.0, now)
+                    self._got[seq + i] = _Got(loc, transit[i], now)
                 self._next = seq + len(locs)
                 self._cv.notify_all()
 

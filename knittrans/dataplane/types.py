@@ -377,9 +377,33 @@ class ShareLocation:
     waited_s: float = 0.0
     """How long ``claim_next`` waited in the controller for the admission (and any re-put) before it claimed: time
     the fetch spent waiting for data to exist, not moving it (``FetchTiming`` keeps the two apart)."""
+    admitted_at: float = math.nan
+    """When the mini-batch was admitted, on the controller's ``time.perf_counter`` (NaN: not known -- restored from a
+    journal); comparable with a reader's own clock only where ``clock`` equals the reader's ``CLOCK_DOMAIN``."""
+    clock: str = ""
+    """The ``CLOCK_DOMAIN`` of the process that stamped ``admitted_at``."""
     runs: "ShareRuns | None" = None
     """The share's bytes as runs of its units' sources (``ShareRuns``): the rank resolves the sources once and copies
     each run into its buffer, no unit call. None: some row has no readable source; the rank reads through the units."""
+
+
+def _clock_domain() -> str:
+    """Processes whose ``time.perf_counter`` values are comparable share this id: on Linux perf_counter is
+    CLOCK_MONOTONIC, one clock per boot of a machine (every process and every raylet of a one-machine cluster);
+    elsewhere, or unreadable, this process alone."""
+    import uuid
+
+    if sys.platform.startswith("linux"):
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                return "boot:" + f.read().strip()
+        except OSError:
+            pass
+    return "proc:" + uuid.uuid4().hex
+
+
+CLOCK_DOMAIN = _clock_domain()
+"""This process's clock domain (``ShareLocation.clock``)."""
 
 
 class Retired(NamedTuple):

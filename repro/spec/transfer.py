@@ -66,7 +66,8 @@ class TextTransferTrial(TransferTrialBase):
     shares arrive as call arguments (centralized) or for rows written before this column."""
     claim_s: float | None = None
     """Raw pass, KnitTrans: of the gets' time (``get_gbps``'s denominator, summed over the pass's gets), the part
-    spent claiming (the controller round trip, without the wait for admission); None where not recorded."""
+    spent claiming: the control path after the admission (``feed._since_admission``: the location's arrival less the
+    controller's admission stamp on one machine), never the wait for admission; None where not recorded."""
     read_s: float | None = None
     """Of the same, the unit reads (every unit's chunk requested at once, then received)."""
     pack_s: float | None = None

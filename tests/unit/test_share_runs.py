@@ -176,3 +176,52 @@ def test_a_failed_ack_is_raised_by_the_ranks_next_ack_and_by_flush():
         sender.flush(timeout=10)
     with pytest.raises(FencedError):
         sender.send(MiniBatchKey(0, 1), 0, ("input_ids",), 0)
+
+
+class _QueuedPoll:
+    """A controller whose polls, sent before the admission, reach it only ``lag_s`` after it (a poll queued behind a
+    busy controller's register); ``clock``: the clock domain its answers claim (another machine's: no stamp the
+    reader can compare)."""
+
+    def __init__(self, ctrl, admitted: threading.Event, lag_s: float, clock: str | None = None) -> None:
+        self.ctrl, self.admitted, self.lag_s, self.clock = ctrl, admitted, lag_s, clock
+
+    def poll(self, *args):
+        self.admitted.wait(10)
+        threading.Event().wait(self.lag_s)
+        got = self.ctrl.poll(*args)
+        if self.clock is None:
+            return got
+        import dataclasses
+
+        return got._replace(locs=tuple(dataclasses.replace(x, clock=self.clock) for x in got.locs))
+
+    def __getattr__(self, name):
+        return getattr(self.ctrl, name)
+
+
+@pytest.mark.parametrize("same_clock", [True, False])
+def test_a_feeds_claim_time_counts_the_control_path_after_the_admission_not_the_wait_before_it(same_clock):
+    """A poll sent at once, queued until 50 ms after an admission that comes 300 ms later: on one clock the share's
+    claim time is the 50 ms after the admission; with the controller on another clock it falls back to the round trip
+    less the controller's own wait, which counts the queueing before the admission too (the estimate's known
+    error, why the stamp is used where it can be)."""
+    batch = _batch(seed=7)
+    dp = _loaded(batch)
+    admitted = threading.Event()
+    proxy = _QueuedPoll(dp.controller, admitted, 0.05, None if same_clock else "elsewhere")
+    feed = ShareFeed(proxy, 0, TEXT_SCHEMA.names, start_seq=0, count=1, window=1).start()
+    got: list = []
+    asker = threading.Thread(target=lambda: got.append(feed.get(0, timeout=10)))
+    asker.start()
+    threading.Event().wait(0.3)
+    dp.client().admit(batch.minibatches(2)[0])
+    admitted.set()
+    asker.join(10)
+    feed.close()
+    loc, claim_s = got[0]
+    assert loc.seq == 0 and loc.admitted_at == loc.admitted_at  # stamped (not NaN)
+    if same_clock:
+        assert 0.045 <= claim_s < 0.25
+    else:
+        assert claim_s >= 0.3
