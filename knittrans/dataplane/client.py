@@ -417,27 +417,31 @@ class DataPlaneClient:
             raise
         if records is None:  # the plain case, stored as columns: registered as columns (``columns``)
             assert cols is not None
-            try:
-                skipped = self.controller.register_columns(unit_id, cols[0], got)
-            except (DataPlaneError, DataPlaneClosedError):
-                drop_confirmed(unit_api, cols[0].traj_ids.tolist(), cols[0].names)  # take back exactly this put
-                raise
-            if skipped:
-                unit_api.drop(skipped)
-            return
+            c = cols[0]
+            self._register(unit_api, lambda: self.controller.register_columns(unit_id, c, got),
+                           lambda: [(c.traj_ids.tolist(), c.names)])
+        else:
+            self._register(unit_api, lambda: self.controller.register(records),
+                           lambda: [([r.traj_id], [f.name for f in r.fields if f.name not in r.repeated])
+                                    for r in records])
+
+    @staticmethod
+    def _register(unit_api: "UnitAPI", register: Callable[[], tuple[int, ...] | None],
+                  added: Callable[[], list[tuple[list[int], Sequence[str]]]]) -> None:
+        """Register a put its unit stored. If the controller refuses it (e.g. the trajectory lives on another unit,
+        or the plane is closed), take back exactly what the put added at the unit (``added``: (ids, fields) pairs),
+        so nothing stale stays behind -- and wait for it, so that a re-put the producer sends next cannot be
+        overtaken by this drop. Re-puts of lost trajectories that were consumed meanwhile are dropped (not
+        needed)."""
         try:
-            skipped = self.controller.register(records)
+            skipped = register()
         except (DataPlaneError, DataPlaneClosedError):
-            # The unit accepted fields the controller refuses (e.g. the trajectory lives on another unit, or the
-            # plane is closed): take back exactly what this call added, so nothing stale stays behind -- and wait
-            # for it, so that a re-put the producer sends next cannot be overtaken by this drop.
-            for r in records:
-                added = [f.name for f in r.fields if f.name not in r.repeated]
-                if added:
-                    drop_confirmed(self.units[unit_id], [r.traj_id], added)
+            for ids, names in added():
+                if names:
+                    drop_confirmed(unit_api, ids, names)
             raise
-        if skipped:  # re-puts of lost trajectories that were consumed meanwhile: not needed
-            self.units[unit_id].drop(skipped)
+        if skipped:
+            unit_api.drop(skipped)
 
     def discard(self, traj_ids: Sequence[int]) -> None:
         """Forget orphaned trajectories of a producer that died mid-group (never admitted, never completed):

@@ -57,6 +57,17 @@ class PutColumns:
         np.cumsum(self.lengths[j], out=off[1:])
         return off
 
+    def byte_bounds(self, schema: TrajectorySchema) -> list[list[int]]:
+        """Per field (``names`` order), byte offsets into its array (``len + 1``): trajectory ``i``'s bytes of field
+        ``j`` are ``[bounds[j][i], bounds[j][i + 1])``."""
+        return [(self.offsets(j) * schema.get(n).row_nbytes).tolist() for j, n in enumerate(self.names)]
+
+    def token_lengths(self, schema: TrajectorySchema) -> list[int] | None:
+        """Each trajectory's row count of the schema's token field (None: this put does not carry it)."""
+        if schema.token_field not in self.names:
+            return None
+        return self.lengths[self.names.index(schema.token_field)].tolist()
+
     def __reduce__(self):  # noqa: ANN204 - the metadata as columns of plain values (``wire``), not objects
         metas = None if self.metas is None else to_wire(list(self.metas))
         return (_rebuild, (self.traj_ids, self.names, self.lengths, metas))
@@ -160,16 +171,14 @@ def records_of(unit_id: str, cols: PutColumns, source: object, schema: Trajector
     """The put records of a columnar put its unit stored (every field new there, each a plain run of ``source``'s
     arrays, one per field in ``cols.names`` order; ``source`` None: read through the unit): what the controller
     registers when the put is not the plain case (``Controller.register_columns``)."""
-    rows = [schema.get(n).row_nbytes for n in cols.names]
-    offs = [cols.offsets(j).tolist() for j in range(len(cols.names))]
+    bounds = cols.byte_bounds(schema)
     lens = [ln.tolist() for ln in cols.lengths]
-    tok = cols.names.index(schema.token_field) if schema.token_field in cols.names else None
+    tokens = cols.token_lengths(schema)
     metas = cols.metas or (None,) * len(cols)
     out = []
     for i, t in enumerate(cols.traj_ids.tolist()):
-        fields = tuple(FieldMeta(n, lens[j][i] * rows[j], lens[j][i]) for j, n in enumerate(cols.names))
-        where = () if source is None else tuple((j, offs[j][i] * rows[j], offs[j][i + 1] * rows[j])
-                                                for j in range(len(cols.names)))
-        out.append(PutRecord(t, unit_id, fields, None if tok is None else lens[tok][i], metas[i],
+        fields = tuple(FieldMeta(n, bounds[j][i + 1] - bounds[j][i], lens[j][i]) for j, n in enumerate(cols.names))
+        where = () if source is None else tuple((j, bounds[j][i], bounds[j][i + 1]) for j in range(len(cols.names)))
+        out.append(PutRecord(t, unit_id, fields, None if tokens is None else tokens[i], metas[i],
                              source=source, where=where))
     return out

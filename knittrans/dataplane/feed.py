@@ -20,6 +20,7 @@ gets everything it claimed and did not ack again through ``recover_rank``.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ def _since_admission(loc: ShareLocation, now: float, estimate: float) -> float:
     shares). The estimate errs both ways: a poll queued at a busy controller until after the admission counts the
     queueing before the admission as control time, and a poll woken by the admission counts its wait for the
     controller's GIL as waiting for data."""
-    if loc.clock == CLOCK_DOMAIN and loc.admitted_at == loc.admitted_at:  # not NaN
+    if loc.clock == CLOCK_DOMAIN and not math.isnan(loc.admitted_at):
         return max(0.0, now - loc.admitted_at)
     return max(0.0, estimate)
 

@@ -21,7 +21,6 @@ from knittrans.dataplane.types import (AdmissionStateError, DataPlaneClosedError
 from knittrans.types import Trajectory
 
 
-
 def strip_repeats(records: Sequence[PutRecord], trajs: Mapping[int, Any]) -> list[PutRecord]:
     """Drop what a retried put repeats (fields its unit already held with identical bytes and the controller
     registered, and the same completing metadata) so a retry whose first reply was lost is a no-op. Fields the
@@ -242,11 +241,9 @@ class PutRegistry:
                 and type(self)._strip_repeats_locked is PutRegistry._strip_repeats_locked)
 
     def _register_columns_locked(self, unit_id: str, cols: PutColumns, source: object) -> None:
-        rows = [self.schema.get(n).row_nbytes for n in cols.names]
-        offs = [cols.offsets(j).tolist() for j in range(len(cols.names))]
+        bounds = cols.byte_bounds(self.schema)
         key = None if source is None else self._sources.add_many(source, unit_id, len(cols) * len(cols.names))
-        tok = cols.names.index(self.schema.token_field) if self.schema.token_field in cols.names else None
-        tokens = cols.lengths[tok].tolist() if tok is not None else None
+        tokens = cols.token_lengths(self.schema)
         metas = cols.metas if self.policy is not None else None
         completing = []
         for i, t in enumerate(cols.traj_ids.tolist()):
@@ -254,7 +251,7 @@ class PutRegistry:
             if st is None:
                 st = self._trajs[t] = _TrajState(unit_id=unit_id)
             for j, name in enumerate(cols.names):
-                a, b = offs[j][i] * rows[j], offs[j][i + 1] * rows[j]
+                a, b = bounds[j][i], bounds[j][i + 1]
                 st.fields[name] = b - a
                 if key is not None:
                     st.where[name] = (key, j, a, b)
