@@ -4,7 +4,8 @@ train-batch admission vs disaggregated with KnitTrans admission at train-batch's
 A ~130K-parameter Llama-style policy learns "ab+c=" arithmetic with GRPO on CPU (HF engine in one thread, GRPO trainer
 in another, ``knittrans.runtime``). Per seed, every arm starts from the same warm-started weights and prompt stream (a
 paired comparison) and runs the same number of optimizer steps; the arms of a seed run back to back, the order
-rotating with the seed. Claims, rows and their definitions: ``repro/spec/quality.py``.
+rotating with the seed. Claims, rows and their definitions: ``repro/spec/quality.py`` (multimodal:
+``repro/spec/quality_multimodal.py``).
 
 The throughput match comes first: short probe runs of train-batch (budget P) and of KnitTrans at each candidate budget
 alternate within each of ``match_passes`` passes; KnitTrans's matched budget is the smallest whose median raw steps/s
@@ -17,7 +18,7 @@ prompts_per_batch=8 num_minibatches=4 match_batches=2 match_passes=1 warm_steps=
 ``python -m repro.quality workload=multimodal`` (settings under ``mm.``, results in ``mm.out_dir``, table
 ``quality-multimodal``): the tiny Qwen2-VL on the counting task (``workloads.vlm_session``), GRPO through the same
 orchestrator and multimodal handoff, arms colocated / train-batch / KnitTrans at a configured budget; every claim of
-that table is a measurement (no verdict; ``repro/spec/quality.py`` says why).
+that table is a measurement (no verdict; ``repro/spec/quality_multimodal.py`` says why).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from knittrans.runtime.config import RuntimeConfig, SyncPolicy
 from knittrans.runtime.records import RunResult, write_trace
 from knittrans.runtime.trainer import GRPOConfig
 from repro.quality_report import Curve, plot
-from repro.spec.quality import ARMS, MM_ARMS, ROW_TYPES, MMQualityRun, QualityRun, ThroughputProbe, matched_budget
+from repro.spec.quality import ARMS, ROW_TYPES, QualityRun, ThroughputProbe, matched_budget
+from repro.spec.quality_multimodal import MM_ARMS, MMQualityRun
 from workloads.arith import ArithTask
 from workloads.arith_session import RolloutEngines, arith_setup, evaluate_snapshots, heldout_problems, run_mode
 from workloads.tiny_models import TinyPolicyConfig, WarmStartConfig

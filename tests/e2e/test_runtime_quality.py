@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from repro.quality import MMQuality, QualityConfig, candidates, run_table
-from repro.spec.quality import ARMS, MM_ARMS, MMQualityRun, QualityRun, ThroughputProbe
+from repro.spec.quality import ARMS, QualityRun, ThroughputProbe
+from repro.spec.quality_multimodal import MM_ARMS, MMQualityRun
 from repro.trials import read_trials
 
 torch.set_num_threads(1)
