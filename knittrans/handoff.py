@@ -355,6 +355,24 @@ class Consumer:
                                           count=self.count)
         return iter(self._prefetcher)
 
+    def steps(self, count: int) -> Iterator[PackedShare]:
+        """The next ``count`` shares (fewer if the stream ends), reading nothing past them: the prefetcher reads
+        ahead within these ``count`` only, while the rank's claims keep arriving ahead of it (metadata, no bytes).
+        For a trainer that runs a known number of steps and then does something else (evaluation, a checkpoint)
+        without holding shares in memory meanwhile; the next ``steps`` call starts on bytes, its first locations
+        already here. A consumer iterated plainly (``iter``) before reads ahead without bound."""
+        require_int("Consumer.steps", "count", count, 0)
+        if self._prefetcher is None:
+            iter(self)  # builds the prefetcher (not started): reads are bounded from here on
+            self._prefetcher.read_limit = self.start_seq
+        pf = self._prefetcher
+        pf.allow_reads(None if pf.read_limit is None else pf.next_seq + count)
+        for _ in range(count):
+            try:
+                yield pf.next()
+            except StopIteration:
+                return
+
     def take(self, count: int) -> list[PackedShare]:
         """The next ``count`` shares (fewer if the stream ends), without acking them."""
         out: list[PackedShare] = []

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -37,19 +38,46 @@ ADMIT_TIMEOUT_S = 600.0
 """A rank (or the driver) waiting longer than this for a share or a signal fails the pass instead of hanging."""
 
 
+_KEPT: dict[str, Consumer] = {}
+_KEPT_LOCK = threading.Lock()
+
+
+def forget_consumer(key: str) -> None:
+    """Close and drop the consumer kept under ``key`` in this process (``ConsumerSource.key``), if any."""
+    with _KEPT_LOCK:
+        c = _KEPT.pop(key, None)
+    if c is not None:
+        c.close()
+
+
 @dataclass
 class ConsumerSource:
     """A KnitTrans rank's steps from its handoff ``Consumer``: the prefetching iterator, or (``prefetch=False``)
-    a fetch of the next admitted share when the rank asks. Either way the share is acked after the step."""
+    a fetch of the next admitted share when the rank asks. Either way the share is acked after the step.
+
+    With ``key``, the consumer lives as long as the system, as a trainer's does: the process that iterates keeps the
+    first one it is handed under ``key`` and reads ``count`` shares of it per pass (``Consumer.steps``: nothing is
+    read past the pass, while the rank's claims keep arriving ahead); ``forget_consumer(key)`` closes it. Without,
+    each pass iterates (and closes) a consumer of its own."""
 
     consumer: Consumer
     prefetch: bool = True
+    count: int | None = None
+    """Shares this pass reads (with ``key``)."""
+    key: str | None = None
     _held: dict[int, PackedShare] = field(default_factory=dict)
     _turn: tuple[float, str] | None = None  # when the rank took its last share, and that share's trace key
 
     def open(self, rank: int) -> None:
         if rank != self.consumer.rank:
             raise ValueError(f"consumer of rank {self.consumer.rank} opened by rank {rank}")
+        if self.key is not None and self.prefetch:
+            if self.count is None:
+                raise ValueError("ConsumerSource: a kept consumer reads `count` shares per pass; count is None")
+            with _KEPT_LOCK:
+                self.consumer = _KEPT.setdefault(self.key, self.consumer)
+            self._it = self.consumer.steps(self.count)
+            return
         self._it = iter(self.consumer) if self.prefetch else None
 
     def obtain(self, step: int) -> Obtained:
@@ -77,6 +105,9 @@ class ConsumerSource:
         self.consumer.ack(self._held.pop(step))
 
     def close(self) -> None:
+        if self.key is not None and self.prefetch:
+            self.consumer.flush()  # kept for the next pass: only its acks are sent now
+            return
         self.consumer.close()
 
 
@@ -102,6 +133,8 @@ class KnitTransSystem:
         self._handoff: Handoff | None = None
         self._seq = 0  # mini-batches admitted so far (the next pass's consumers start here)
         self._producers: ThreadPoolExecutor | None = None  # the rollout engines' concurrent completing puts
+        self._consumers: list[Consumer] = []  # one per rank, kept in the process that iterates it (``ConsumerSource``)
+        self._key = f"{name}-{uuid.uuid4().hex[:12]}"
 
     # -- the handoff and the rollout side ----------------------------------------------------------------------
 
@@ -201,8 +234,11 @@ class KnitTransSystem:
         """Start every rank on its consumer of the next ``n * m`` shares, run the rollout clock, collect."""
         start, count = self._seq, n * m
         self._seq += count
-        sources = [ConsumerSource(h.consumer(r, start_seq=start, count=count), prefetch)
-                   for r in range(self.layout.num_ranks)]
+        if not self._consumers:
+            self._consumers = [h.consumer(r, start_seq=start) for r in range(self.layout.num_ranks)]
+        sources = [ConsumerSource(c, prefetch, count, f"{self._key}-r{r}") if prefetch
+                   else ConsumerSource(h.consumer(r, start_seq=start, count=count), prefetch)
+                   for r, c in enumerate(self._consumers)]
         if self.transport is Transport.RAY:
             import ray
 
@@ -268,6 +304,16 @@ class KnitTransSystem:
         if self._producers is not None:
             self._producers.shutdown()
             self._producers = None
+        if self._consumers:  # the kept consumers first: they give back what their feeds claimed ahead
+            keys = [f"{self._key}-r{r}" for r in range(len(self._consumers))]
+            if self.transport is Transport.RAY:
+                import ray
+
+                ray.get([rk.forget.remote(k) for rk, k in zip(self.session.ranks, keys)])
+            else:
+                for k in keys:
+                    forget_consumer(k)
+            self._consumers = []
         if self._handoff is not None:
             self._handoff.close()
             self._handoff = None

@@ -98,6 +98,12 @@ class RankActor:
             self.last_done = out.timings[-1].t_done
         return out
 
+    def forget(self, key: str) -> None:
+        """Close the consumer this actor kept under ``key`` (``knittrans_system.ConsumerSource``)."""
+        from knittrans.bench.knittrans_system import forget_consumer
+
+        forget_consumer(key)
+
     def drain_trace(self) -> list:
         """The trace events recorded since the last drain."""
         out, self.events = self.events, []

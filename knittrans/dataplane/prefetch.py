@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 from knittrans.dataplane.client import DataPlaneClient, FetchTiming
+from knittrans.dataplane.feed import FEED_WINDOW
 from knittrans.dataplane.types import DataPlaneClosedError, PackedShare, UnitLostError
 from knittrans.types import require_int, require_real
 
 log = logging.getLogger(__name__)
 
 _WAKE_S = 0.5  # longest a blocked worker takes to notice close()
+_HANDOFF_S = 0.05  # longest a worker waits for a blocked trainer to take the share it just posted
 EVENTS_KEPT = 4096
 """Handed-out shares whose ``PrefetchEvent`` a prefetcher keeps (the last ones): a long run's timings stay bounded
 (~200 B each) instead of growing by one per step for ever."""
@@ -97,6 +99,10 @@ class Prefetcher:
     count: int | None = None
     events: deque[PrefetchEvent] = field(default_factory=lambda: deque(maxlen=EVENTS_KEPT))
     """The last ``EVENTS_KEPT`` handed-out shares' timings, oldest first."""
+    read_limit: int | None = None
+    """Reads start only for seqs below this one (None: no bound but ``count``); ``allow_reads`` raises it. Claims
+    are not bounded by it: the feed keeps bringing locations ahead (metadata only), so a rank whose reads were held
+    back starts on bytes, not on a round trip, when they are allowed (``Consumer.steps``)."""
 
     def __post_init__(self) -> None:
         # Up to ``depth + 1`` shares are claimed ahead of the trainer (``depth`` prepared and waiting, the next in
@@ -121,6 +127,7 @@ class Prefetcher:
                          for i in range(workers)]
         self._started = False
         self._finished = False
+        self._waiting: int | None = None  # the seq the trainer is blocked on in ``next`` (None: not blocked)
         self._handed: PackedShare | None = None  # handed out, not acked yet (ack_on_next)
         self._feed = None  # the rank's long-poll claims (``feed.ShareFeed``) when its controller is remote
         self.unit_losses = 0
@@ -134,7 +141,7 @@ class Prefetcher:
                 # by the workers, within their own bound); the rank's incarnation comes with the first poll's answer
                 # (no round trip of its own before the first share)
                 self._feed = self.client.feed(self.rank, self.fields, self.start_seq, self.count,
-                                              self.config.depth + 1, None)
+                                              max(self.config.depth + 1, FEED_WINDOW), None)
             # started only once the threads run: a close() from another thread in between must not join a thread
             # that is not started yet (RuntimeError); the workers check the stop flag before their first claim
             for th in self._threads:
@@ -166,7 +173,10 @@ class Prefetcher:
         if self.count is not None and seq >= self.start_seq + self.count:
             self._post(seq, _End())
             return None
-        return seq
+        with self._cv:
+            while self.read_limit is not None and seq >= self.read_limit and not self._stop.is_set():
+                self._cv.wait(_WAKE_S)  # held back until ``allow_reads`` (the slot stays taken)
+        return None if self._stop.is_set() else seq
 
     def _run(self) -> None:
         while True:
@@ -189,13 +199,34 @@ class Prefetcher:
                 self._post(seq, _Failure(e))
                 return
 
+    @property
+    def next_seq(self) -> int:
+        """The seq ``next`` hands out next."""
+        return self._next_hand
+
+    def allow_reads(self, upto: int | None) -> None:
+        """Let reads start for every seq below ``upto`` (None: unbounded); never lowers the bound."""
+        with self._cv:
+            if upto is None or self.read_limit is None:
+                self.read_limit = None if upto is None else max(upto, self._next_claim)
+            else:
+                self.read_limit = max(self.read_limit, upto)
+            self._cv.notify_all()
+
     def _post(self, seq: int, item: object) -> None:
-        """``item`` is the ``seq``-th share (or the end, or a failure there: nothing after it is handed out)."""
+        """``item`` is the ``seq``-th share (or the end, or a failure there: nothing after it is handed out).
+
+        A share the trainer is already waiting for is handed over before this worker goes on: the worker waits
+        (the GIL released) until the trainer has taken it. Otherwise the worker's next pack, which holds the GIL
+        for its whole copy (``client.pack_runs``), would keep the woken trainer from running until a switch
+        interval (5 ms) forces the GIL over: measured as a share delivered 3-5.6 ms before the trainer got it."""
         with self._cv:
             if isinstance(item, (_End, _Failure)):
                 self._last = seq if self._last is None else min(self._last, seq)
             self._ready[seq] = item  # type: ignore[assignment]
             self._cv.notify_all()
+            if self._waiting == seq and not isinstance(item, (_End, _Failure)):
+                self._cv.wait_for(lambda: self._next_hand > seq or self._stop.is_set(), _HANDOFF_S)
 
     def _fetch_when_admitted(self, seq: int) -> PackedShare | None:
         """Wait for the ``seq``-th admission and fetch this rank's share (None: closed while waiting).
@@ -263,18 +294,24 @@ class Prefetcher:
         # marker) ends this wait too instead of leaving the trainer blocked for ever.
         deadline = None if timeout is None else time.perf_counter() + timeout
         with self._cv:
-            while True:
-                item = self._ready.pop(self._next_hand, None)
-                if item is not None:
-                    self._next_hand += 1
-                    return item
-                if self._stop.is_set():
-                    self._finished = True
-                    raise StopIteration
-                left = _WAKE_S if deadline is None else min(_WAKE_S, deadline - time.perf_counter())
-                if left <= 0:
-                    raise queue.Empty
-                self._cv.wait(left)
+            try:
+                while True:
+                    item = self._ready.pop(self._next_hand, None)
+                    if item is not None:
+                        self._next_hand += 1
+                        if self._waiting is not None:  # a worker waits for the hand-over (``_post``)
+                            self._cv.notify_all()
+                        return item
+                    if self._stop.is_set():
+                        self._finished = True
+                        raise StopIteration
+                    left = _WAKE_S if deadline is None else min(_WAKE_S, deadline - time.perf_counter())
+                    if left <= 0:
+                        raise queue.Empty
+                    self._waiting = self._next_hand
+                    self._cv.wait(left)
+            finally:
+                self._waiting = None
 
     def __iter__(self) -> Iterator[PackedShare]:
         while True:

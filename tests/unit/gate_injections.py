@@ -31,20 +31,28 @@ class OnDemandConsumer(Consumer):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._events: list[PrefetchEvent] = []
+        self._seq = self.start_seq
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._events = []
+        self._seq = self.start_seq
 
     def __iter__(self):  # noqa: ANN204
-        seq = self.start_seq
-        while self.count is None or seq < self.start_seq + self.count:
-            t = time.perf_counter()
-            share = self.client.fetch_next(seq, self.rank, self.fields, timeout=self.admit_timeout_s, ack=False)
-            now = time.perf_counter()
-            self._events.append(PrefetchEvent(seq, t, now, now, now - t))
-            yield share
-            seq += 1
+        while self.count is None or self._seq < self.start_seq + self.count:
+            yield self._fetch()
+
+    def steps(self, count: int):  # noqa: ANN201 - the same, ``count`` shares at a time (a kept consumer's passes)
+        for _ in range(count):
+            yield self._fetch()
+
+    def _fetch(self):  # noqa: ANN202
+        t = time.perf_counter()
+        share = self.client.fetch_next(self._seq, self.rank, self.fields, timeout=self.admit_timeout_s, ack=False)
+        now = time.perf_counter()
+        self._events.append(PrefetchEvent(self._seq, t, now, now, now - t))
+        self._seq += 1
+        return share
 
     @property
     def events(self) -> list:

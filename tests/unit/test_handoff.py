@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -198,6 +199,28 @@ def test_a_consumer_with_a_count_stops_there_and_the_next_one_resumes_without_lo
     assert [s.seq for s in second] == list(range(M, 2 * M))
     with pytest.raises(ValueError, match="count"):
         h.consumer(count=-1)
+
+
+def test_a_consumer_read_in_steps_reads_nothing_past_them_and_the_next_steps_go_on_without_a_gap():
+    h = Handoff(cfg())
+    for b in range(2):
+        h.add_batch(plan(b))
+    h.put([rollout(t, t // (P * N)) for t in range(2 * P * N)])  # every mini-batch admitted
+    c = h.consumer()
+    seen = []
+    for share in c.steps(M):
+        seen.append(share)
+        c.ack(share)
+    assert [s.seq for s in seen] == list(range(M))
+    time.sleep(0.3)  # a prefetcher not bounded by the steps would have claimed and read the next ones by now
+    assert h.plane.controller.stats().claims == M
+    for share in c.steps(M):
+        seen.append(share)
+        c.ack(share)
+    assert [s.seq for s in seen] == list(range(2 * M))
+    assert sorted(t for s in seen for t in s.traj_ids) == list(range(2 * P * N))
+    assert list(c.steps(0)) == []
+    c.close()
 
 
 def test_close_from_another_thread_ends_a_consumer_that_is_waiting_for_a_minibatch():

@@ -101,6 +101,45 @@ def test_concurrent_prefetch_hands_out_in_admission_order_and_never_claims_past_
     pf.close()
 
 
+def test_a_share_the_trainer_waits_for_is_handed_over_before_the_worker_fetches_the_next():
+    """The worker's next pack holds the GIL for its whole copy: a trainer blocked on the share just posted must
+    have taken it before the worker goes on (otherwise it waits out a switch interval, 5 ms, for the GIL)."""
+    dp, mbs = _loaded()
+    client = dp.client()
+    order: list[str] = []
+    real = client.fetch_next
+
+    def fetch(seq, *a, **k):
+        order.append(f"fetch {seq}")
+        if seq == 0:
+            time.sleep(0.2)  # the trainer is blocked on share 0 by the time it is posted
+        return real(seq, *a, **k)
+
+    client.fetch_next = fetch
+    for mb in mbs:
+        dp.controller.admit(mb)
+    pf = Prefetcher(client, 0, config=PrefetchConfig(depth=2), count=2).start()
+    share = pf.next(timeout=10)
+    order.append(f"got {share.seq}")
+    assert pf.next(timeout=10).seq == 1
+    assert order == ["fetch 0", "got 0", "fetch 1"]
+    pf.close()
+
+
+def test_reads_held_back_by_a_read_limit_start_when_allowed_and_claim_nothing_before():
+    dp, mbs = _loaded()
+    client = dp.client()
+    for mb in mbs:
+        dp.controller.admit(mb)
+    pf = Prefetcher(client, 0, config=PrefetchConfig(depth=2), read_limit=1).start()
+    assert pf.next(timeout=10).seq == 0
+    time.sleep(0.3)
+    assert dp.controller.stats().claims == 1  # admitted, but past the limit: neither claimed nor read
+    pf.allow_reads(pf.next_seq + 3)
+    assert [pf.next(timeout=10).seq for _ in range(3)] == [1, 2, 3]
+    pf.close()
+
+
 def test_a_failed_fetch_in_the_middle_ends_the_stream_after_the_shares_before_it():
     dp, mbs = _loaded()
     client = dp.client()
