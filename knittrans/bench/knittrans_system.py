@@ -35,6 +35,8 @@ from knittrans.dataplane.types import PackedShare, TrajectoryPayload
 from knittrans.handoff import Consumer, Handoff, HandoffConfig, Rollout, Transport
 
 ADMIT_TIMEOUT_S = 600.0
+DRAIN_CLAIM_WAIT_S = 5.0
+"""Longest a drain pass waits, before its t0, for the ranks' feeds to claim the admitted shares."""
 """A rank (or the driver) waiting longer than this for a share or a signal fails the pass instead of hanging."""
 
 
@@ -126,8 +128,10 @@ class KnitTransSystem:
         self.multimodal, self.prefetch, self.session, self.dedup = multimodal, prefetch, session, dedup
         self.trace = trace
         self.drain = drain
-        """Raw passes drain the handoff: every trajectory is put and every mini-batch admitted before t0, then the
-        ranks start and iterate their consumers with acks and no compute (the handoff's own read throughput)."""
+        """Raw passes drain the handoff: every trajectory is put and every mini-batch admitted before t0 -- and, once
+        the ranks' consumers exist (every pass after the first), claimed by their feeds, as the engine ceiling's
+        shares are claimed before its t0 -- then the ranks iterate their consumers with acks and no compute (the
+        handoff's own read throughput)."""
         """Raw passes record their reads (``PassResult.trace``): per share, claim, source work, one pull per unit,
         unpickling and packing."""
         self._handoff: Handoff | None = None
@@ -206,13 +210,24 @@ class KnitTransSystem:
         self.stream(h, batch)
         complete = (lambda b: self.complete(h, batch))
         if self.drain:  # everything put and admitted before t0: what is timed is the ranks' drain alone
+            claimed = h.plane.controller.stats().claims
             self.complete(h, batch)
             h.plane.controller.next_admitted(self._seq + batch.num_minibatches - 1, ADMIT_TIMEOUT_S)
+            if self._consumers:  # and claimed, as the engine ceiling's shares are: the ranks' feeds bring them
+                self._await_claims(h, claimed + self.layout.num_ranks * batch.num_minibatches)
             complete = (lambda b: None)
         traces, t0 = self._run(h, 1, batch.num_minibatches, 0.0, self.prefetch, batch.batch_id,
                                complete, steady=False, trace=self.trace)
         res = finish_raw(traces, t0[0], live_bytes_after=self._settle(h))
         return dataclasses.replace(res, trace=self._drain_trace(), t0=t0[0]) if self.trace else res
+
+    @staticmethod
+    def _await_claims(h: Handoff, count: int, timeout: float = DRAIN_CLAIM_WAIT_S) -> None:
+        """Until the controller has made ``count`` claims (the kept consumers' feeds claim admitted shares ahead of
+        their reads), at most ``timeout``: past it the drain starts anyway, its claims then inside the timed window."""
+        deadline = time.perf_counter() + timeout
+        while h.plane.controller.stats().claims < count and time.perf_counter() < deadline:
+            time.sleep(0.002)
 
     def _drain_trace(self) -> tuple:
         """The rank actors' events of the last pass, with unit ids and blank nodes resolved to Ray nodes."""

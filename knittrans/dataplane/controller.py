@@ -106,6 +106,7 @@ class Controller(PutRegistry):
         self.unit_nodes = dict(unit_nodes)
         self.config = config
         self._journal = journal
+        self._shown_upto: int | None = None  # None: every admission is visible at once (``show_durable_only``)
         # A restart rebuilds the policy by replaying its inputs into a fresh copy of it (taken before any input).
         self._pristine = copy.deepcopy(policy) if journal is not None and policy is not None else None
         self._cv = threading.Condition()
@@ -261,15 +262,40 @@ class Controller(PutRegistry):
         ``knittrans.mmdedup.plane.MMController`` keeps GRPO groups whole."""
         return assign_shares(items, self.config.rank_nodes, self.config.balance_slack, self.config.equal_counts)
 
+    def show_durable_only(self) -> None:
+        """From now on an admission becomes visible to waiters (``next_admitted``, the feeds' polls) only when its
+        host says it is durable (``show``), not when it is made. A host whose journal is written after each call
+        (``ray_transport.ControllerHost``) shows an admission once its flush has written it: a poll woken at the
+        admission itself would only wait for that same flush -- for the GIL, beside the admitting call's and the
+        next register's Python -- before it may answer (every answer follows the flush of what it reports)."""
+        with self._cv:
+            self._shown_upto = len(self._log)
+
+    def admitted_count(self) -> int:
+        """Mini-batches admitted so far (visible or not)."""
+        with self._cv:
+            return len(self._log)
+
+    def show(self, count: int) -> None:
+        """The first ``count`` admissions are durable: wake whoever waits for them (``show_durable_only``)."""
+        with self._cv:
+            if self._shown_upto is not None and count > self._shown_upto:
+                self._shown_upto = min(count, len(self._log))
+                self._cv.notify_all()
+
+    def _shown(self) -> int:
+        """Admissions visible to waiters (lock held)."""
+        return len(self._log) if self._shown_upto is None else self._shown_upto
+
     def next_admitted(self, seq: int, timeout: float | None = None) -> AdmittedMiniBatch:
         """The ``seq``-th admitted mini-batch, waiting until it is admitted. Raises ``TimeoutError`` after
         ``timeout`` seconds, ``DataPlaneClosedError`` if the controller closes first."""
         if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:  # -1 would read the last mini-batch
             raise AdmissionStateError(f"seq must be an int >= 0 (an admission order), got {seq!r}")
         with self._cv:
-            ok = self._cv.wait_for(lambda: (self._closed or len(self._log) > seq or self._failure is not None
+            ok = self._cv.wait_for(lambda: (self._closed or self._shown() > seq or self._failure is not None
                                             or self._ended(seq)), timeout=timeout)
-            if len(self._log) > seq:
+            if self._shown() > seq:
                 key = self._log[seq]
                 self._raise_released(key, f"#{seq} ")
                 return self._mbs[key].admitted
@@ -392,7 +418,7 @@ class Controller(PutRegistry):
             first = self.claim(adm.key, rank, fields, epoch)
             out = [dataclasses.replace(first, waited_s=time.perf_counter() - t_wait)]
             for s in range(seq + 1, seq + limit):
-                st = self._mbs.get(self._log[s]) if s < len(self._log) else None
+                st = self._mbs.get(self._log[s]) if s < self._shown() else None
                 if st is None or self._missing.intersection(st.admitted.shares[rank]):
                     break
                 try:
@@ -683,6 +709,8 @@ class Controller(PutRegistry):
             if self._pristine is not None:
                 self.policy = copy.deepcopy(self._pristine)
             drops = rebuild(self, state, manifests).drops
+            if self._shown_upto is not None:  # replayed from the journal: durable
+                self._shown_upto = len(self._log)
             self._cv.notify_all()
             return drops
 

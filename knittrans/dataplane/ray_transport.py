@@ -281,7 +281,9 @@ def _flushing(method):  # noqa: ANN001, ANN202
             return method(self, *args, **kwargs)
         finally:
             if self._journal is not None:
+                admitted = self.ctrl.admitted_count()
                 self._journal.flush()
+                self.ctrl.show(admitted)  # written: the waiters for these admissions may answer now
 
     return wrapper
 
@@ -309,6 +311,7 @@ class ControllerHost:
             if state is not None:  # Ray restarted this actor: rebuild from the journal and the units
                 self._restore(state)
             journal.flush()
+            self.ctrl.show_durable_only()  # an admission is shown to the polls once the journal holds it
         freeze_startup_heap()
 
     def _restore(self, state: JournalState) -> None:

@@ -114,7 +114,9 @@ CEILING = ("per pass, the data-plane get bandwidth of {system} (as in ray_fracti
            "admission, no puts completing beside the reads), one ray.get and one pack per share by the same "
            "pack_runs; median over K passes, [min, max]; range [0, ~1]")
 DRAIN = ("the handoff's drain on Ray (knittrans-ray-drain: every trajectory put and every mini-batch admitted before "
-         "t0; then each rank actor iterates its prefetching Consumer, acks each share, no compute): the slowest "
+         "t0, and claimed by the ranks' feeds as the engine ceiling's are (each rank's Consumer lives across passes "
+         "and reads each pass with Consumer.steps: no byte is read before t0); then each rank actor iterates its "
+         "prefetching Consumer, acks each share, no compute): the slowest "
          "rank's share bytes over its own time from its first ask to its last share, / single-thread memcpy in the "
          "same run; median over K passes, [min, max]")
 SAME_LAYOUT = ("both on Ray: the same trainer-rank actors (one process each), the same seeded trajectories at the same "

@@ -171,3 +171,36 @@ def test_delayed_acks_go_in_one_call_and_a_flush_sends_at_once():
         time.sleep(0.005)
     assert [len(c) for c in prompt.calls] == [1]
     at_once.close()
+
+
+def test_an_admission_is_shown_to_the_polls_only_after_the_journal_flush_that_writes_it(tmp_path, monkeypatch):
+    """A Ray controller answers a poll only after flushing its journal; a poll woken at the admission itself would wait
+    for that flush (and for the GIL beside the admitting call) before it could answer. So an admission is shown to
+    waiters once its host has written it: the host's flush runs with the admission still hidden, then shows it."""
+    import tempfile
+    import uuid
+
+    from knittrans.dataplane import ray_transport
+    from knittrans.dataplane.storage import StorageUnit
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the journal file (journal_path) under tmp_path
+    batch = make_text_batch(TextDataConfig(num_prompts=4, group_size=2, response_len_median=16, max_response_len=64,
+                                           prompt_len_mean=8, seed=0))
+    host = ray_transport.ControllerHost(TEXT_SCHEMA, {"u0": "n0"}, ray_transport.ControllerConfig(("n0",)), {},
+                                        plane=f"shown-{uuid.uuid4().hex[:8]}")
+    host.register(StorageUnit("u0", "n0", TEXT_SCHEMA).put([t.payload() for t in batch.trajectories]))
+    seen_at_flush: list[int] = []
+    flush = host._journal.flush
+    monkeypatch.setattr(host._journal, "flush", lambda: (seen_at_flush.append(host.ctrl._shown()), flush())[1])
+    mb = batch.minibatches(2)[0]
+    host.admit(mb)
+    assert seen_at_flush == [0]  # the admitting call's flush ran with the admission hidden from the polls
+    assert host.ctrl.next_admitted(0, timeout=1.0).traj_ids == tuple(mb.traj_ids)  # shown once written
+    ctrl = host.ctrl
+    ctrl.admit(batch.minibatches(2)[1])  # straight into the controller: admitted, never flushed by a host call
+    assert ctrl.admitted_count() == 2 and ctrl.poll(1, 0, TEXT_SCHEMA.names, 1, timeout=0.05).locs == ()
+    with pytest.raises(TimeoutError):
+        ctrl.next_admitted(1, timeout=0.05)
+    ctrl.show(ctrl.admitted_count())
+    assert [loc.seq for loc in ctrl.poll(1, 0, TEXT_SCHEMA.names, 1, timeout=1.0).locs] == [1]
+    host.close()
