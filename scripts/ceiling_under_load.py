@@ -1,0 +1,97 @@
+"""The engine ceiling with and without the raw pass's completing puts beside its reads: the bound on knittrans-ray's
+raw-pass gets on this machine.
+
+    python scripts/ceiling_under_load.py 8
+
+The engine ceiling (``knittrans.bench.ceiling``) reads shares whose refs were handed over before t0, with nothing
+else running. In knittrans-ray's raw pass the producers' completing puts (the advantages, ~4.6 MB per unit at the
+default text size, put to the units and registered with the controller) run on the same cores while the ranks read.
+This script runs the ceiling's raw pass alternately alone and with another batch's completing puts started as its
+ranks start reading (two producer threads, as knittrans-ray's producers at t0; put and registered, never admitted,
+then discarded), and prints the ceiling's get bandwidth as a fraction of this machine's memcpy for each, median
+[min, max] over the rounds. Timings are of this machine at this moment: compare the two within one run.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import threading
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def main(rounds: int) -> None:
+    import ray
+    import torch
+
+    from knittrans.bench import BenchLayout
+    from knittrans.bench.ceiling import EngineCeilingSystem
+    from knittrans.bench.ray_ranks import RaySession
+    from knittrans.bench.types import COMPLETION_FIELDS
+    from knittrans.dataplane.harness import memcpy_gbps
+    from knittrans.dataplane.types import TrajectoryPayload
+    from repro.transfer import TransferConfig, passes_of
+
+    torch.set_num_threads(1)
+    cfg = TransferConfig(workload="text", systems=["engine-ceiling"])
+    layout = BenchLayout(cfg.num_ranks, cfg.num_units, cfg.lead_steps, cfg.warmup_batches, cfg.prefetch_depth)
+    src = passes_of(cfg)
+    memcpy = memcpy_gbps()
+    real_get = ray.get
+
+    def with_puts_beside(system: EngineCeilingSystem, batch, other):  # noqa: ANN001, ANN202
+        """``system.run_raw(batch)`` with ``other``'s completing puts started as the ranks' reads are (the ceiling
+        times its ranks from the ``ray.get`` of their runs: the first list of refs it waits on)."""
+        dp = system._dp(batch)
+        by_unit: dict[str, list] = {}
+        for r in other.rollouts:
+            by_unit.setdefault(layout.unit(other.producer_of[r.traj.traj_id]), []).append(r)
+        threads: list[threading.Thread] = []
+
+        def get(refs, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if isinstance(refs, list) and not threads:
+                for unit, rs in by_unit.items():
+                    payloads = [TrajectoryPayload(r.traj.traj_id, {f: r.tensors[f] for f in COMPLETION_FIELDS})
+                                for r in rs]
+                    threads.append(threading.Thread(target=dp.client(unit).put, args=(payloads,)))
+                for t in threads:
+                    t.start()
+            return real_get(refs, *a, **k)
+
+        ray.get = get
+        try:
+            return system.run_raw(batch)
+        finally:
+            ray.get = real_get
+            for t in threads:
+                t.join()
+            dp.client().discard([r.traj.traj_id for r in other.rollouts])
+
+    out: dict[bool, list[float]] = {False: [], True: []}
+    with RaySession(cfg.num_ranks, 8) as session:
+        session.warm_object_store(20 * src.make(0, 0).field_nbytes)
+        system = EngineCeilingSystem("engine-ceiling", layout, session)
+        try:
+            system.run_raw(src.make(0, 0))  # warm-up: new actors, first touches
+            uid = 1
+            for r in range(rounds):
+                for loaded in ((False, True) if r % 2 == 0 else (True, False)):
+                    batch = src.make(uid, 1)
+                    res = (with_puts_beside(system, batch, src.make(10_000 + uid, 1)) if loaded
+                           else system.run_raw(batch))
+                    out[loaded].append(res.get_gbps / memcpy)
+                    uid += 1
+        finally:
+            system.close()
+    print(f"memcpy {memcpy:.2f} GB/s, {rounds} rounds")
+    for loaded, xs in out.items():
+        what = "with the completing puts beside it" if loaded else "alone"
+        print(f"engine ceiling {what:36s} get {statistics.median(xs):.3f} [{min(xs):.3f}, {max(xs):.3f}] of memcpy")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 8)
