@@ -347,13 +347,16 @@ class Consumer:
         """The shares, in admission order. A storage unit that dies under a read does not end the iteration: the
         share is read again once its producers re-put the lost trajectories (``Handoff.missing`` names them;
         ``PrefetchConfig.wait_for_reput``), within ``admit_timeout_s`` when set."""
+        return iter(self._prefetch(read_limit=None))
+
+    def _prefetch(self, read_limit: int | None) -> Prefetcher:
+        """This consumer's prefetcher, built on first use (``read_limit``: its reads' bound then, ``steps``)."""
         if self._prefetcher is None:
             self._prefetcher = Prefetcher(self.client, self.rank, self.fields,
                                           PrefetchConfig(depth=self.depth, admit_timeout_s=self.admit_timeout_s,
                                                          ack_on_fetch=False, ack_on_next=False),
-                                          start_seq=self.start_seq,
-                                          count=self.count)
-        return iter(self._prefetcher)
+                                          start_seq=self.start_seq, count=self.count, read_limit=read_limit)
+        return self._prefetcher
 
     def steps(self, count: int) -> Iterator[PackedShare]:
         """The next ``count`` shares (fewer if the stream ends), reading nothing past them: the prefetcher reads
@@ -362,11 +365,8 @@ class Consumer:
         without holding shares in memory meanwhile; the next ``steps`` call starts on bytes, its first locations
         already here. A consumer iterated plainly (``iter``) before reads ahead without bound."""
         require_int("Consumer.steps", "count", count, 0)
-        if self._prefetcher is None:
-            iter(self)  # builds the prefetcher (not started): reads are bounded from here on
-            self._prefetcher.read_limit = self.start_seq
-        pf = self._prefetcher
-        pf.allow_reads(None if pf.read_limit is None else pf.next_seq + count)
+        pf = self._prefetch(read_limit=self.start_seq)  # a new one reads nothing until allowed
+        pf.allow_reads(pf.next_seq + count)
         for _ in range(count):
             try:
                 yield pf.next()

@@ -35,9 +35,9 @@ from knittrans.dataplane.types import PackedShare, TrajectoryPayload
 from knittrans.handoff import Consumer, Handoff, HandoffConfig, Rollout, Transport
 
 ADMIT_TIMEOUT_S = 600.0
+"""A rank (or the driver) waiting longer than this for a share or a signal fails the pass instead of hanging."""
 DRAIN_CLAIM_WAIT_S = 5.0
 """Longest a drain pass waits, before its t0, for the ranks' feeds to claim the admitted shares."""
-"""A rank (or the driver) waiting longer than this for a share or a signal fails the pass instead of hanging."""
 
 
 _KEPT: dict[str, Consumer] = {}
@@ -221,6 +221,10 @@ class KnitTransSystem:
         res = finish_raw(traces, t0[0], live_bytes_after=self._settle(h))
         return dataclasses.replace(res, trace=self._drain_trace(), t0=t0[0]) if self.trace else res
 
+    def _kept_key(self, rank: int) -> str:
+        """Where rank ``rank``'s process keeps this system's consumer (``ConsumerSource.key``)."""
+        return f"{self._key}-r{rank}"
+
     @staticmethod
     def _await_claims(h: Handoff, count: int, timeout: float = DRAIN_CLAIM_WAIT_S) -> None:
         """Until the controller has made ``count`` claims (the kept consumers' feeds claim admitted shares ahead of
@@ -249,11 +253,13 @@ class KnitTransSystem:
         """Start every rank on its consumer of the next ``n * m`` shares, run the rollout clock, collect."""
         start, count = self._seq, n * m
         self._seq += count
-        if not self._consumers:
-            self._consumers = [h.consumer(r, start_seq=start) for r in range(self.layout.num_ranks)]
-        sources = [ConsumerSource(c, prefetch, count, f"{self._key}-r{r}") if prefetch
-                   else ConsumerSource(h.consumer(r, start_seq=start, count=count), prefetch)
-                   for r, c in enumerate(self._consumers)]
+        if prefetch:
+            if not self._consumers:
+                self._consumers = [h.consumer(r, start_seq=start) for r in range(self.layout.num_ranks)]
+            sources = [ConsumerSource(c, True, count, self._kept_key(r)) for r, c in enumerate(self._consumers)]
+        else:
+            sources = [ConsumerSource(h.consumer(r, start_seq=start, count=count), False)
+                       for r in range(self.layout.num_ranks)]
         if self.transport is Transport.RAY:
             import ray
 
@@ -320,7 +326,7 @@ class KnitTransSystem:
             self._producers.shutdown()
             self._producers = None
         if self._consumers:  # the kept consumers first: they give back what their feeds claimed ahead
-            keys = [f"{self._key}-r{r}" for r in range(len(self._consumers))]
+            keys = [self._kept_key(r) for r in range(len(self._consumers))]
             if self.transport is Transport.RAY:
                 import ray
 

@@ -105,8 +105,9 @@ class Prefetcher:
     back starts on bytes, not on a round trip, when they are allowed (``Consumer.steps``)."""
 
     def __post_init__(self) -> None:
-        # Up to ``depth + 1`` shares are claimed ahead of the trainer (``depth`` prepared and waiting, the next in
-        # flight, as a single worker behind a queue of ``depth``), and ``depth`` workers fetch at once: with
+        # Up to ``depth + 1`` shares are taken ahead of the trainer (``depth`` prepared and waiting, the next in
+        # flight, as a single worker behind a queue of ``depth``; a feed claims further ahead, ``FEED_WINDOW``:
+        # metadata only), and ``depth`` workers fetch at once: with
         # several shares admitted, the next one's claim and reads overlap this one's instead of waiting for them
         # (each fetch is a few round trips to the controller and the units, mostly waiting on other processes).
         self._slots = threading.Semaphore(self.config.depth + 1)
@@ -205,12 +206,11 @@ class Prefetcher:
         return self._next_hand
 
     def allow_reads(self, upto: int | None) -> None:
-        """Let reads start for every seq below ``upto`` (None: unbounded); never lowers the bound."""
+        """Let reads start for every seq below ``upto`` (None: unbounded); never lowers the bound (an unbounded
+        prefetcher stays unbounded)."""
         with self._cv:
-            if upto is None or self.read_limit is None:
-                self.read_limit = None if upto is None else max(upto, self._next_claim)
-            else:
-                self.read_limit = max(self.read_limit, upto)
+            if self.read_limit is not None:
+                self.read_limit = None if upto is None else max(self.read_limit, upto)
             self._cv.notify_all()
 
     def _post(self, seq: int, item: object) -> None:
