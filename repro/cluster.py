@@ -187,7 +187,7 @@ def multi_raylet_trace(cfg: ClusterConfig, src, meta: dict):  # noqa: ANN001, AN
                 # first run measured pass 0's calibration at half the later bandwidth, and the model 77% off on
                 # that pass), then one batch per system (its actors, the driver's first dense batch).
                 cluster.warm_stores()
-                calibrate(cluster.node_ids, sizes, repeats=1)
+                calibrate(cluster.node_ids, sizes, repeats=1, warmup=False)
                 for i, s in enumerate(systems):
                     s.run_raw(src.make(50 + i, 1))
                 for p in range(cfg.passes):
@@ -221,7 +221,7 @@ def rows_from_trace(trace, bandwidths: Sequence[float] = (3.0, 6.25, 12.5, 25.0)
         rows.append(ClusterPassTrial(
             seed=seed, setting="multi-raylet", pass_index=rec.pass_index, system=rec.system, raw_s=rec.raw_s,
             bytes_moved=rec.bytes_moved, pixel_bytes=rec.pixel_bytes, predicted_s=c.prediction.predicted_s,
-            link_gbps=link.bandwidth_Bps / 1e9, link_latency_s=link.latency_s,
+            link_gbps=link.bandwidth_Bps / 1e9, link_latency_s=link.latency_s, link_object_s=link.object_s,
             host_gbps=None if link.host_Bps is None else link.host_Bps / 1e9, calibration_err=c.fit.single_rel_err,
             flow_bytes=c.prediction.flow_bytes, cpu_s=c.prediction.cpu_s,
             predicted_no_network_s=c.prediction.no_network_s,
@@ -231,7 +231,8 @@ def rows_from_trace(trace, bandwidths: Sequence[float] = (3.0, 6.25, 12.5, 25.0)
     balance = StepBalance.from_steps(m["baseline_step_s"], m["dedup_step_s"], m["tokens"],
                                      m["occurrence_patches"], m["distinct_patches"])
     link = dataclasses.replace(checks[0].fit.link,
-                               latency_s=statistics.median(c.fit.link.latency_s for c in checks))
+                               latency_s=statistics.median(c.fit.link.latency_s for c in checks),
+                               object_s=statistics.median(c.fit.link.object_s for c in checks))
     for b in bandwidths:
         for r in ranks:
             for n in group_sizes:

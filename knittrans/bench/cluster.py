@@ -80,9 +80,7 @@ class LocalCluster:
         Returns the bytes written per node."""
         nbytes = int(fraction * (self.object_store_mib << 20))
         probes = [Probe.options(**pinned(n)).remote() for n in self.node_ids]
-        refs = [p.make.remote(nbytes) for p in probes]
-        ray.wait(refs, num_returns=len(refs), fetch_local=False, timeout=300)
-        del refs
+        ray.get([p.make.remote(nbytes) for p in probes], timeout=300)
         for p in probes:
             ray.kill(p)
         return nbytes
@@ -106,14 +104,25 @@ class Probe:
     """One per node: holds arrays (created in its node's object store) and pulls others' (timed)."""
 
     def __init__(self) -> None:
-        self.held: dict[int, np.ndarray] = {}
+        self.held: dict[int, ray.ObjectRef] = {}
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def make(self, nbytes: int) -> np.ndarray:
-        """A fresh array of ``nbytes``: the return value lands in this node's object store."""
-        return np.full(nbytes, 7, dtype=np.uint8)
+    def make(self, nbytes: int, count: int = 1) -> list:
+        """``count`` fresh arrays of ``nbytes`` put in this node's object store, their refs (the probe owns them and
+        keeps them until ``drop``). ``ray.put``, not a return value: a return under Ray's inline limit (100 KiB) travels
+        inside the task's reply to the caller and never enters an object store, so a "pull" of it took 0.03 ms
+        where a stored 64 KiB object takes 2.4-6 ms to pull across raylets (as a unit's field objects do), and the
+        fitted per-flow latency came out near zero (session 38, docs/experiments.md)."""
+        refs = [ray.put(np.full(nbytes, 7, dtype=np.uint8)) for _ in range(count)]
+        for ref in refs:
+            self.held[len(self.held)] = ref
+        return refs
+
+    def drop(self) -> None:
+        """Forget every array this probe made (their objects are freed once no pull holds them)."""
+        self.held.clear()
 
     def pull(self, refs: list) -> tuple[float, float]:
         """(start, end) of making ``refs`` local to this node (no unpickle)."""
@@ -123,12 +132,17 @@ class Probe:
 
 
 def calibrate(node_ids: list[str], sizes: tuple[int, ...] = (4 << 20, 16 << 20, 48 << 20), repeats: int = 2,
-              concurrent_bytes: int = 32 << 20) -> list[FlowEvent]:
+              concurrent_bytes: int = 32 << 20, objects: int = 8, objects_bytes: int = 64 << 10,
+              warmup: bool = True) -> list[FlowEvent]:
     """Calibration pulls between the first three non-driver nodes (a, b, c) and the driver's (d = node 0): single
-    flows a->b, d->c, b->d of each size ``repeats`` times (key "single/<i>"); then two at once: a->d and b->d
+    flows a->b, d->c, b->d of each size ``repeats`` times (key "single/<i>"); ``objects`` objects of
+    ``objects_bytes`` pulled a->b at once (key "objects/<i>", one event per object: the work per object,
+    ``cluster_model.LinkModel.object_s``); then two at once: a->d and b->d
     (key "in/<i>"), d->b and d->c ("out/<i>"), a->b and c->d ("disjoint/<i>"), ``concurrent_bytes`` each. With
     ``repeats`` > 1 the keys name the repeat ("single/r<k>/<i>"): the fit takes the median repeat's link
-    (``cluster_model.fit_link_repeats``)."""
+    (``cluster_model.fit_link_repeats``). ``warmup``: one more repeat first, not recorded: with the probes just
+    started, the first repeat's bandwidth was the lowest of three in 6 of 6 passes (0.27-0.83 of the others'),
+    which made the median repeat the slower of the other two (session 38)."""
     if len(node_ids) < 4:
         raise ValueError(f"calibrate needs a driver node and three more, got {len(node_ids)} nodes")
     d, a, b, c = node_ids[:4]
@@ -137,21 +151,23 @@ def calibrate(node_ids: list[str], sizes: tuple[int, ...] = (4 << 20, 16 << 20, 
     out: list[FlowEvent] = []
     i = 0
 
-    def round_(kind: str, pairs: list[tuple[str, str]], nbytes: int) -> None:
+    def round_(kind: str, pairs: list[tuple[str, str]], nbytes: int, count: int = 1) -> None:
         nonlocal i
         tag = f"{kind}/r{rep}" if repeats > 1 else kind
-        refs = [probes[s].make.remote(nbytes) for s, _ in pairs]
-        ray.wait(refs, num_returns=len(refs), fetch_local=False, timeout=120)  # created at their sources
-        times = ray.get([probes[t].pull.remote([r]) for (_, t), r in zip(pairs, refs)], timeout=300)
-        out.extend(FlowEvent("calibration", s, t, nbytes, t0, t1, f"{tag}/{i}") for (s, t), (t0, t1)
-                   in zip(pairs, times))
-        i += 1
+        refs = ray.get([probes[s].make.remote(nbytes, count) for s, _ in pairs], timeout=120)  # at their sources
+        times = ray.get([probes[t].pull.remote(r) for (_, t), r in zip(pairs, refs)], timeout=300)
+        if rep >= 0:
+            out.extend(FlowEvent("calibration", s, t, nbytes, t0, t1, f"{tag}/{i}") for (s, t), (t0, t1)
+                       in zip(pairs, times) for _ in range(count))
+            i += 1
         del refs
+        ray.get([probes[s].drop.remote() for s in {s for s, _ in pairs}])
 
-    for rep in range(repeats):
+    for rep in range(-1 if warmup else 0, repeats):  # rep -1: the warm-up, not recorded
         for nbytes in sizes:
             for pair in ((a, b), (d, c), (b, d)):
                 round_("single", [pair], nbytes)
+        round_("objects", [(a, b)], objects_bytes, objects)
         round_("in", [(a, d), (b, d)], concurrent_bytes)
         round_("out", [(d, b), (d, c)], concurrent_bytes)
         round_("disjoint", [(a, b), (c, d)], concurrent_bytes)

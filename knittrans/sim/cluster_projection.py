@@ -182,7 +182,7 @@ class Projection:
 
 def project(s: PaperSetting, costs: PhaseCosts, link: LinkModel, balance: StepBalance) -> Projection:
     """Both systems' raw transfer, exposed transfer and training per batch at ``s`` (see the module docstring)."""
-    link = LinkModel(s.bandwidth_Bps, link.latency_s, None)  # separate machines: no host cap
+    link = LinkModel(s.bandwidth_Bps, link.latency_s, None, link.object_s)  # separate machines: no host cap
     R, U, M, n, k = s.num_ranks, s.num_units, s.num_minibatches, s.group_size, s.images_per_prompt
     B = s.prompts * n
     fields = B * s.field_bytes_per_sample
@@ -205,7 +205,7 @@ def project(s: PaperSetting, costs: PhaseCosts, link: LinkModel, balance: StepBa
     share = (fields + distinct_pixels) / (M * R)
     flows = [Task(f"u{u}r{r}", src=f"unit{u}", dst=f"rank{r}", nbytes=1) for u in range(U) for r in range(R)]
     rate = min(fair_rates(flows, link))
-    read = costs.cpu("knittrans/claim") + costs.cpu("knittrans/source", share) + link.latency_s \
+    read = costs.cpu("knittrans/claim") + costs.cpu("knittrans/source", share) + link.latency_s + link.object_s \
         + share / U / rate + costs.cpu("knittrans/deser", share) + costs.cpu("knittrans/pack", share)
     # The hand-over between a rank's shares: measured only where its fetches ran one after another. The prefetcher
     # runs ``depth`` fetches at once (since 3f775ac), so with M <= depth a rank's claims all start before any pack

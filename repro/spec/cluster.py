@@ -56,6 +56,8 @@ class ClusterPassTrial(Trial):
     link_gbps: float | None = None
     """The link fitted on this pass's calibration pulls: NIC bandwidth per direction (GB/s) ..."""
     link_latency_s: float | None = None
+    link_object_s: float | None = None
+    """The work per object pulled (``cluster_model.LinkModel.object_s``; None in rows before session 38)."""
     host_gbps: float | None = None
     """... and the one-machine cap on all flows together (None: it did not bind)."""
     calibration_err: float | None = None

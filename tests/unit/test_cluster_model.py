@@ -3,6 +3,8 @@ fit, and the systems' graphs built from traces. Pure Python: no Ray."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from knittrans.dataplane.trace import CpuEvent, FlowEvent
@@ -249,3 +251,51 @@ def test_a_slower_link_predicts_a_slower_pass():
                 > predict_pass(kind, ev, 100.0, 1.0, fast).predicted_s)
     with pytest.raises(ValueError, match="unknown system kind"):
         predict_pass("nope", central_trace(), 100.0, 1.0, fast)
+
+
+def _object_calibration(link: LinkModel, k: int = 8, small: int = 64 << 10) -> list[FlowEvent]:
+    """Calibration as ``bench.cluster.calibrate`` records it since session 38: small single pulls (the intercept),
+    large ones, and ``k`` small objects pulled at once (one event per object), each made by ``link`` exactly."""
+    out, i = [], 0
+    for nb in (small, 4 << 20, 16 << 20, 48 << 20):
+        for s, d in (("a", "b"), ("d", "c")):
+            t = makespan([Task("f", src=s, dst=d, nbytes=nb)], link)
+            out.append(FlowEvent("calibration", s, d, nb, 10.0 * i, 10.0 * i + t, f"single/{i}"))
+            i += 1
+    t = makespan([Task(f"o{j}", src="a", dst="b", nbytes=small) for j in range(k)], link)
+    out += [FlowEvent("calibration", "a", "b", small, 10.0 * i, 10.0 * i + t, f"objects/{i}") for _ in range(k)]
+    return out
+
+
+def test_objects_pulled_together_queue_for_their_work_where_latency_overlaps():
+    """``LinkModel.object_s``: eight small objects pulled at once take their latency once and their work eight times
+    (what a share's small field objects beside its image cost, session 38); with no object work they take one
+    latency, as before."""
+    small = 1000
+    eight = [Task(f"o{j}", src="a", dst="b", nbytes=small) for j in range(8)]
+    work = LinkModel(1e9, latency_s=0.002, object_s=0.001)
+    assert makespan(eight, work) == pytest.approx(0.002 + 8 * (0.001 + small / 1e9), rel=1e-6)
+    assert makespan(eight[:1], work) == pytest.approx(0.002 + 0.001 + small / 1e9, rel=1e-6)
+    assert makespan(eight, LinkModel(1e9, latency_s=0.003)) == pytest.approx(0.003 + 8 * small / 1e9, rel=1e-6)
+    with pytest.raises(ValueError):
+        LinkModel(1e9, object_s=-1.0)
+
+
+def test_fit_link_splits_the_intercept_into_latency_and_object_work():
+    truth = LinkModel(8e8, latency_s=0.0015, object_s=0.0008)
+    fit = fit_link(_object_calibration(truth), host_cap=False).link
+    assert fit.bandwidth_Bps == pytest.approx(8e8, rel=1e-3)
+    assert fit.latency_s == pytest.approx(0.0015, rel=1e-2)
+    assert fit.object_s == pytest.approx(0.0008, rel=1e-2)
+
+
+def test_the_intercept_is_the_small_pulls_not_a_least_squares_intercept_of_noisy_large_ones():
+    """A noisy 48 MiB pull (another job's burst) moved the least-squares intercept of 4-48 MiB pulls by milliseconds
+    (0-8 ms against 2-4.5 ms small pulls, session 38); with small pulls in the calibration the intercept is theirs."""
+    truth = LinkModel(1e9, latency_s=0.003)
+    cal = _object_calibration(truth)
+    cal = [dataclasses.replace(e, t_end=e.t_start + 1.6 * (e.t_end - e.t_start)) if e.nbytes == 48 << 20 and
+           e.src == "a" else e for e in cal]
+    fit = fit_link(cal, host_cap=False).link
+    assert fit.latency_s + fit.object_s == pytest.approx(0.003, rel=1e-3)
+    assert fit.bandwidth_Bps == pytest.approx(1e9, rel=0.05)
