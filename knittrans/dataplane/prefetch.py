@@ -192,7 +192,12 @@ class Prefetcher:
                     return
                 timing = self.client.thread_timing()
                 fetch_s = timing.claim_s + timing.read_s + timing.pack_s if timing else 0.0
-                self._post(seq, (share, seq, t_wait, time.perf_counter(), fetch_s, timing))
+                item, share = (share, seq, t_wait, time.perf_counter(), fetch_s, timing), None
+                self._post(seq, item)
+                # this worker keeps no reference to what it handed over: once the trainer lets the share go, its
+                # pack buffer is free for the next pack (``BufferPool`` hands out a buffer nothing else references;
+                # with this local still holding it a draining rank alternated two buffers, session 38)
+                del item
             except DataPlaneClosedError:
                 self._post(seq, _End())
                 return

@@ -98,3 +98,22 @@ def test_nothing_is_lost_or_delivered_twice_under_random_requests(lens, ops, see
     assert all(v == 1 for v in delivered.values())
     assert set(delivered) == {(t, name) for t in range(n) for name in SCHEMA.names}
     assert all(u.stats().nbytes == 0 for u in dp.units.values())  # released once fully consumed
+
+
+@given(items=items_st, nodes=st.lists(st.sampled_from(["a", "b", "c"]), min_size=1, max_size=5),
+       slack=st.sampled_from([0.0, 0.05, 0.5]), equal=st.booleans())
+def test_the_split_is_never_less_balanced_or_less_local_than_lpt(items, nodes, slack, equal):
+    """``assign_shares`` takes its consecutive-segment split (fewer runs per share, session 38) only where it is
+    at least as balanced and as local as the LPT split it was before: a rank never waits longer at the step's
+    collective, and no more bytes cross nodes, for the sake of the pack."""
+    from knittrans.dataplane.assign import _lpt
+
+    its = [ShareItem(i, tok, node) for i, (tok, node) in enumerate(items)]
+    shares = assign_shares(its, nodes, slack, equal)
+    cap = -(-len(its) // len(nodes)) if equal else len(its)
+    lpt = _lpt(its, nodes, cap, (1 + slack) * sum(tok for tok, _ in items) / len(nodes))
+    tok = {i.traj_id: i.tokens for i in its}
+    local = {i.traj_id: i.node for i in its}
+    assert max(sum(tok[t] for t in s) for s in shares) <= max(sum(tok[t] for t in s) for s in lpt)
+    assert (sum(local[t] == nodes[r] for r, s in enumerate(shares) for t in s)
+            >= sum(local[t] == nodes[r] for r, s in enumerate(lpt) for t in s))

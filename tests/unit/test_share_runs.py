@@ -225,3 +225,26 @@ def test_a_feeds_claim_time_counts_the_control_path_after_the_admission_not_the_
         assert 0.045 <= claim_s < 0.25
     else:
         assert claim_s >= 0.3
+
+
+def test_a_minibatch_stored_in_order_splits_into_a_few_runs_per_field_where_lpt_dealt_one_per_trajectory():
+    """The rank split keeps consecutive stored rows together when that costs no balance and no locality (session
+    38): a mini-batch of 64 trajectories put by one unit in order, split over two ranks that read it alike, packs in a
+    few runs per field; LPT, dealing by length, cut each share into about one run per trajectory. The shares are
+    exactly as balanced as LPT's."""
+    from knittrans.dataplane.assign import ShareItem, _lpt
+
+    batch = _batch(prompts=16, n=4)
+    dp = build_inprocess(TEXT_SCHEMA, {"u0": "n0"}, ("n0", "n0"))
+    dp.client("u0").put([t.payload() for t in batch.trajectories])
+    mb = batch.minibatches(1)[0]
+    adm = dp.client().admit(mb)
+    tokens = {t.traj_id: int(t.payload().tensors[TEXT_SCHEMA.token_field].shape[0]) for t in batch.trajectories}
+    lpt = _lpt([ShareItem(t, tokens[t], "n0") for t in mb.traj_ids], ("n0", "n0"), 32,
+               1.05 * sum(tokens.values()) / 2)
+    assert max(adm.share_tokens) <= max(sum(tokens[t] for t in s) for s in lpt)
+    for rank in range(2):
+        loc = dp.controller.claim(MiniBatchKey(mb.batch_id, mb.index), rank, TEXT_SCHEMA.names)
+        assert max(len(r) for r in loc.runs.runs) <= 8, [len(r) for r in loc.runs.runs]
+    lpt_breaks = [1 + sum(1 for a, b in zip(s, s[1:]) if b != a + 1) for s in lpt]
+    assert min(lpt_breaks) > 8  # what the split was before (16-17 runs here): this test fails on it
