@@ -7,7 +7,8 @@ Runs the text table's default batch (``repro.transfer``'s config) through the na
 and prints per system: its get bandwidth as a fraction of this machine's memcpy (median [range] over rounds), the
 slowest rank's rate (what the drain claim measures), the raw pass's median time, and the median get's parts (claim,
 read, pack and the pack's CPU, ms; means beside them: the first share's claim dominates the mean). Timings are of
-this machine at this moment: compare systems within one run, never across runs.
+this machine at this moment: compare systems within one run, never across runs. ``RAWPROF_WORKLOAD=multimodal``
+runs the multimodal table's batch instead.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def main(names: list[str], rounds: int) -> None:
     from repro.transfer_systems import System, make_system
 
     torch.set_num_threads(1)
-    cfg = TransferConfig(workload="text", systems=names)
+    cfg = TransferConfig(workload=os.environ.get("RAWPROF_WORKLOAD", "text"), systems=names)
     layout = BenchLayout(cfg.num_ranks, cfg.num_units, cfg.lead_steps, cfg.warmup_batches, cfg.prefetch_depth)
     src = passes_of(cfg)
     memcpy = memcpy_gbps()
