@@ -104,7 +104,7 @@ class Probe:
     """One per node: holds arrays (created in its node's object store) and pulls others' (timed)."""
 
     def __init__(self) -> None:
-        self.held: dict[int, ray.ObjectRef] = {}
+        self.held: list[ray.ObjectRef] = []
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -116,8 +116,7 @@ class Probe:
         where a stored 64 KiB object takes 2.4-6 ms to pull across raylets (as a unit's field objects do), and the
         fitted per-flow latency came out near zero (session 38, docs/experiments.md)."""
         refs = [ray.put(np.full(nbytes, 7, dtype=np.uint8)) for _ in range(count)]
-        for ref in refs:
-            self.held[len(self.held)] = ref
+        self.held.extend(refs)
         return refs
 
     def drop(self) -> None:

@@ -54,20 +54,17 @@ def assign_shares(items: Sequence[ShareItem], rank_nodes: Sequence[str], slack: 
     bound = (1.0 + slack) * ideal
     lpt = _lpt(items, rank_nodes, cap, bound)
     runs = contiguous_shares(items, rank_nodes, bound, equal_counts)
-    if runs is not None and _max_load(runs, items) <= _max_load(lpt, items) \
-            and _local(runs, items, rank_nodes) >= _local(lpt, items, rank_nodes):
-        return runs  # as balanced and as local as LPT's, in fewer runs
-    return lpt
+    if runs is None:
+        return lpt
+    by_id = {i.traj_id: i for i in items}
 
+    def heaviest_and_remote(shares: tuple[tuple[int, ...], ...]) -> tuple[int, int]:
+        return (max(sum(by_id[t].tokens for t in s) for s in shares),
+                sum(by_id[t].node != rank_nodes[r] for r, s in enumerate(shares) for t in s))
 
-def _max_load(shares: Sequence[Sequence[int]], items: Sequence[ShareItem]) -> int:
-    tok = {i.traj_id: i.tokens for i in items}
-    return max(sum(tok[t] for t in s) for s in shares)
-
-
-def _local(shares: Sequence[Sequence[int]], items: Sequence[ShareItem], rank_nodes: Sequence[str]) -> int:
-    node = {i.traj_id: i.node for i in items}
-    return sum(1 for r, s in enumerate(shares) for t in s if node[t] == rank_nodes[r])
+    (heavy, remote), (lpt_heavy, lpt_remote) = heaviest_and_remote(runs), heaviest_and_remote(lpt)
+    # as balanced and as local as LPT's, in fewer runs
+    return runs if heavy <= lpt_heavy and remote <= lpt_remote else lpt
 
 
 def _lpt(items: Sequence[ShareItem], rank_nodes: Sequence[str], cap: int,

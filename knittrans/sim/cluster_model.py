@@ -208,10 +208,10 @@ def fit_link(calibration: Sequence[FlowEvent], host_cap: bool = True) -> LinkFit
     x = np.array([e.nbytes for e in single], dtype=float)
     y = np.array([e.t_end - e.t_start for e in single])
     small = x <= SMALL_FLOW_BYTES
-    if small.any() and (~small).sum() >= 1:
+    if small.any() and not small.all():
         # the intercept where it is measured (pulls too small for their bytes to count), the bandwidth from the large
         # pulls past it: a least-squares intercept of 4-48 MiB pulls swung 0-8 ms around the 2-4.5 ms small pulls
-        lat, bw = float(np.median(y[small])), math.inf
+        lat = float(np.median(y[small]))
         for _ in range(3):  # the small pulls' own bytes, at the bandwidth of the previous round
             bw = float(np.median(x[~small] / np.maximum(y[~small] - lat, 1e-9)))
             lat = max(0.0, float(np.median(y[small] - x[small] / bw)))
