@@ -408,7 +408,7 @@ class DataPlaneClient:
 
             payloads = with_checksums(payloads)
         unit_api = self.units[unit_id]
-        cols = columns_of(payloads, self.schema) if getattr(unit_api, "put_columns", None) is not None else None
+        cols = self._columns(payloads) if getattr(unit_api, "put_columns", None) is not None else None
         try:
             got = unit_api.put_columns(*cols) if cols is not None else None  # type: ignore[attr-defined]
             records = got if isinstance(got, list) else unit_api.put(payloads) if got is None else None
@@ -424,6 +424,10 @@ class DataPlaneClient:
             self._register(unit_api, lambda: self.controller.register(records),
                            lambda: [([r.traj_id], [f.name for f in r.fields if f.name not in r.repeated])
                                     for r in records])
+
+    def _columns(self, payloads: Sequence[TrajectoryPayload]) -> tuple[PutColumns, tuple[np.ndarray, ...]] | None:
+        """The put as columns (``columns_of``), or None: payload by payload."""
+        return columns_of(payloads, self.schema)
 
     @staticmethod
     def _register(unit_api: "UnitAPI", register: Callable[[], tuple[int, ...] | None],

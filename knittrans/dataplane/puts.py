@@ -236,11 +236,19 @@ class PutRegistry:
         return self.register(records_of(unit_id, cols, source, self.schema))
 
     def _plain_registration(self) -> bool:
-        """A subclass that keeps per-trajectory state of its own at registration registers records only."""
-        return (type(self)._registered_locked is PutRegistry._registered_locked
-                and type(self)._strip_repeats_locked is PutRegistry._strip_repeats_locked)
+        """A subclass that keeps per-trajectory state of its own at registration registers records only, unless it
+        keeps that state for columns too (``_columns_registered_locked``)."""
+        cls = type(self)
+        return ((cls._registered_locked is PutRegistry._registered_locked
+                 and cls._strip_repeats_locked is PutRegistry._strip_repeats_locked)
+                or cls._columns_registered_locked is not PutRegistry._columns_registered_locked)
+
+    def _columns_registered_locked(self, unit_id: str, cols: PutColumns) -> None:
+        """Hook: the plain case of a columnar put is being registered, before any completion or admission it
+        triggers (lock held). A subclass that keeps state at registration and overrides this takes columns."""
 
     def _register_columns_locked(self, unit_id: str, cols: PutColumns, source: object) -> None:
+        self._columns_registered_locked(unit_id, cols)
         bounds = cols.byte_bounds(self.schema)
         key = None if source is None else self._sources.add_many(source, unit_id, len(cols) * len(cols.names))
         tokens = cols.token_lengths(self.schema)

@@ -167,12 +167,16 @@ class UnitHost:
         stored = ray.get(ref)
         return self._stored_records(from_wire(join_arrays(wire, stored)), ref, stored, array_layout(wire, "tensors"))
 
-    def put_columns(self, cols: PutColumns, arrays: tuple[np.ndarray, ...]) -> "ray.ObjectRef | WireList":
+    COLUMNS_FALLBACK: ClassVar[bool] = True
+    """A columnar put the unit does not take is stored here payload by payload (``put_columns``). False: answered
+    None, and the client puts its payloads themselves (a unit kind whose payloads are more than their columns)."""
+
+    def put_columns(self, cols: PutColumns, arrays: tuple[np.ndarray, ...]) -> "ray.ObjectRef | WireList | None":
         """A columnar put (``columns``): its arrays become one object of this unit's, as ``put_stored``'s, and in
         the plain case (``StorageUnit.put_columns``) the unit answers with that object alone: the producer registers
         the columns it already has (``Controller.register_columns``). Any other case -- a column check that fails, a
-        field held already, a multimodal or fault-injecting unit -- is stored payload by payload and answered with
-        records, as ``put_stored`` answers."""
+        field held already, a fault-injecting unit -- is stored payload by payload and answered with records, as
+        ``put_stored`` answers (or None where ``COLUMNS_FALLBACK`` is off)."""
         if not self.STORED_PUTS:
             return self.put(payloads_of(cols, arrays))
         ref = ray.put(tuple(arrays))
@@ -181,6 +185,8 @@ class UnitHost:
         if fast is not None and fast(cols, stored) is not None:
             self._objects().add(ref, [(t, n) for t in cols.traj_ids.tolist() for n in cols.names])
             return ref
+        if not self.COLUMNS_FALLBACK:
+            return None
         layout = (cols.names, 0, tuple(cols.offsets(j) for j in range(len(cols.names))))
         return self._stored_records(payloads_of(cols, stored), ref, stored, layout)
 
@@ -604,9 +610,9 @@ class RayUnitProxy:
             return unwrap(_call(self.actor.put_stored.remote(rest, arrays), self.unit_id))
         return unwrap(_call(self.actor.put.remote(WireList(payloads)), self.unit_id))
 
-    def put_columns(self, cols: PutColumns, arrays: tuple[np.ndarray, ...]) -> "ray.ObjectRef | list[PutRecord]":
-        """A columnar put (``UnitHost.put_columns``): the unit's object (the plain case) or the records of the
-        same put stored payload by payload."""
+    def put_columns(self, cols: PutColumns, arrays: tuple[np.ndarray, ...]) -> "ray.ObjectRef | list[PutRecord] | None":
+        """A columnar put (``UnitHost.put_columns``): the unit's object (the plain case), the records of the
+        same put stored payload by payload, or None (not taken: put the payloads)."""
         got = _call(self.actor.put_columns.remote(cols, arrays), self.unit_id)
         return unwrap(got) if isinstance(got, WireList) else got
 

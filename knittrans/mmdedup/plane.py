@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from knittrans.dataplane.assign import ShareItem, assign_shares
+from knittrans.dataplane.columns import PutColumns
 from knittrans.dataplane.buffers import aligned
 from knittrans.dataplane.client import DataPlaneClient, PrepareConfig, pack_runs, pack_share
 from knittrans.dataplane.controller import Controller, ControllerConfig
@@ -197,7 +198,6 @@ class MMStorageUnit(StorageUnit):
     trajectories that show them, released when the controller says those trajectories are consumed."""
 
     BOUNDED_GET = False  # its get also waits on the image occurrences' lock and the encoding store
-    put_columns = None  # its puts keep per-trajectory image state: payload by payload (``storage.put``)
 
     def __init__(self, unit_id: str, node: str, schema: TrajectorySchema = MM_SCHEMA,
                  hash_fn: HashFn = encoding_hash_fn, dedup: bool = True) -> None:
@@ -291,6 +291,26 @@ class MMStorageUnit(StorageUnit):
                     self._group.setdefault(p.traj_id, int(g))
         return [MMPutRecord(**{f.name: getattr(r, f.name) for f in dc_fields(r)}, group=groups.get(r.traj_id),
                             images=images.get(r.traj_id), image_where=where.get(r.traj_id)) for r in records]
+
+    def put_columns(self, cols: PutColumns, arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, ...] | None:
+        """``StorageUnit.put_columns`` of a later put: fields that arrive after a trajectory's images came with its
+        first put (the advantages at completion; ``MMClient`` sends an imageless put as columns), where an
+        ``MMPayload`` without images and a plain payload mean the same. Its metadata's groups are kept for
+        ``manifest``, as ``put`` keeps them. None -- nothing stored; the caller puts the payloads themselves -- when
+        some trajectory's images are not recorded here yet (its first put: ``put`` decides what that writes) or the
+        put names the field this unit writes itself."""
+        if IMAGE_FIELD in cols.names:
+            return None
+        with self._occ_lock:
+            if any(t not in self._occ for t in cols.traj_ids.tolist()):
+                return None
+        got = super().put_columns(cols, arrays)
+        if got is not None and cols.metas is not None:
+            with self._occ_lock:
+                for t, m in zip(cols.traj_ids.tolist(), cols.metas):
+                    if m is not None and m.group_id >= 0:
+                        self._group.setdefault(t, int(m.group_id))
+        return got
 
     def _slot_where(self, ref: EncodingRef, views: Mapping[int, tuple[object, int]] | None
                     ) -> tuple[object, int, int, int]:
@@ -444,6 +464,13 @@ class MMController(Controller):
                                  and st.unit_id == r.unit_id])
         return super()._strip_repeats_locked(records)
 
+    def _columns_registered_locked(self, unit_id: str, cols: PutColumns) -> None:
+        # a columnar put brings plain fields, no images: only its completions' groups are new
+        if cols.metas is not None:
+            for t, m in zip(cols.traj_ids.tolist(), cols.metas):
+                if m is not None and m.group_id >= 0:
+                    self._group[t] = m.group_id
+
     def _registered_locked(self, records: Sequence[PutRecord]) -> None:
         for r in records:  # before admission runs on them, so shares keep these groups whole
             g = getattr(r, "group", None)
@@ -571,6 +598,17 @@ def image_sources(unit_ids: Sequence[str], images: Sequence[Sequence[ImageKey]],
 class MMClient(DataPlaneClient):
     """``DataPlaneClient`` whose fetches (and prefetches) that include ``image_index`` return an ``MMShare``: one
     copy of each distinct image, however many units hold it (the claim's ``image_sources``)."""
+
+    def _columns(self, payloads: Sequence[TrajectoryPayload]) -> tuple[PutColumns, tuple[np.ndarray, ...]] | None:
+        """A put whose ``MMPayload``s carry no images (fields that arrive later: a ``Producer``'s completing put)
+        travels as columns; its unit takes them where every trajectory's images are recorded there already
+        (``MMStorageUnit.put_columns``), else the payloads themselves are put."""
+        if payloads and all(type(p) is MMPayload and not p.encodings and not p.grids
+                            and (p.group < 0 or (p.meta is not None and p.meta.group_id == p.group))
+                            for p in payloads):
+            payloads = [TrajectoryPayload(p.traj_id, p.tensors, meta=p.meta, checksums=p.checksums)
+                        for p in payloads]
+        return super()._columns(payloads)
 
     def _pack_runs(self, loc: ShareLocation, objects: Sequence[Sequence[np.ndarray]]) -> PackedShare:
         """A share read straight from its sources (``MMShareRuns``): the fields' runs as in text, a private copy of

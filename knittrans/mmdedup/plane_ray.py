@@ -34,6 +34,7 @@ from knittrans.mmdedup.store import StoreStats
 class MMUnitHost(UnitHost):
     """An ``MMStorageUnit`` behind the storage-unit actor API, plus its encoding-store statistics."""
 
+    COLUMNS_FALLBACK = False  # a columnar put it does not take is a first put: the client sends its MMPayloads
 
     def __init__(self, unit_id: str, node: str, schema: TrajectorySchema, hash_fn: HashFn, dedup: bool = True) -> None:
         import torch

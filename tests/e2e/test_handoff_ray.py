@@ -100,3 +100,72 @@ def test_multimodal_handoff_moves_each_distinct_image_once_with_the_index_map(ra
         assert h.version == 1
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("transport", [Transport.INPROCESS, Transport.RAY])
+def test_a_multimodal_completing_put_travels_as_columns_and_keeps_groups_whole(ray_local, transport, monkeypatch):
+    """The rollout engine streams a trajectory's fields and images while it generates; at completion its Producer
+    puts the advantages with the metadata (imageless rollouts). That put goes as columns -- no payload-by-payload
+    put at the unit -- and still keeps each group whole in one rank's share, each group's image once, and the
+    groups a restarted controller would read from the units' manifests. An imageless rollout of a trajectory the
+    unit has never seen is still put payload by payload (its empty image index is written)."""
+    from knittrans.dataplane.ray_transport import RayUnitProxy
+    from knittrans.mmdedup.plane import IMAGE_FIELD, MMPayload, MMStorageUnit
+
+    G, n = 4, 2
+    h = Handoff(HandoffConfig.grpo(G, n, 1, 16, transport=transport, multimodal=True,
+                                   units=(("u0", "n0"), ("u1", "n1")), rank_nodes=("n0", "n1")))
+    per_payload = []
+    cls, name = (RayUnitProxy, "put") if transport is Transport.RAY else (MMStorageUnit, "put")
+    orig = getattr(cls, name)
+    monkeypatch.setattr(cls, name, lambda self, payloads, *a, **k: (per_payload.append(len(payloads)),
+                                                                     orig(self, payloads, *a, **k))[1])
+    try:
+        h.add_batch(BatchPlan(0, tuple(GroupSpec(g, 0, n) for g in range(G))))
+        h.seal()
+        imgs = [torch.randn(4 * (g + 1), 1176) for g in range(G)]
+        grids = [(1, 2, 2 * (g + 1)) for g in range(G)]
+        fields = {t: {"input_ids": np.arange(6 + t), "old_logprobs": np.full(2 + t, -0.5, np.float32),
+                      "loss_mask": np.ones(2 + t, bool)} for t in range(G * n)}
+        for u in ("u0", "u1"):  # generating: every field but the advantages, with the images (group g on u{g%2})
+            h.plane.client(u).put([MMPayload(t, fields[t], group=t // n, encodings=(imgs[t // n],),
+                                             grids=(grids[t // n],))
+                                   for t in range(G * n) if (t // n) % 2 == int(u[1])])
+        streamed = len(per_payload)
+        for u in ("u0", "u1"):  # completion: the advantages and the metadata, no images
+            h.producer(u).put([Rollout(Trajectory(t, t // n, 0, 2 + t, 0), {"advantages": np.full(2 + t, t, np.float32)})
+                               for t in range(G * n) if (t // n) % 2 == int(u[1])])
+        assert len(per_payload) == streamed  # the completing puts went as columns
+        manifests = ({u: unit.manifest() for u, unit in h.plane.units.items()} if transport is Transport.INPROCESS
+                     else dict(zip(h.plane.unit_actors, ray.get([a.manifest.remote()
+                                                                 for a in h.plane.unit_actors.values()]))))
+        assert {r.traj_id: r.group for rs in manifests.values() for r in rs} == {t: t // n for t in range(G * n)}
+        shares = [h.consumer(r).take(1)[0] for r in range(2)]
+        got = {}
+        for s in shares:
+            groups = {t // n for t in s.traj_ids}
+            assert {t for t in range(G * n) if t // n in groups} == set(s.traj_ids)  # whole groups
+            assert len(s.images.pixels) == len(groups)  # each group's image once
+            adv, cu = s.fields["advantages"].values, s.fields["advantages"].cu_seqlens
+            for i, t in enumerate(s.traj_ids):
+                got[t] = adv[int(cu[i]):int(cu[i + 1])]
+                (j,) = s.image_ids[t]
+                assert torch.equal(s.images.pixels[j], imgs[t // n])
+        assert sorted(got) == list(range(G * n))
+        assert all(torch.equal(got[t], torch.full((2 + t,), float(t))) for t in got)
+    finally:
+        h.close()
+    h = Handoff(HandoffConfig.grpo(1, n, 1, 8, transport=transport, multimodal=True))
+    try:
+        h.add_batch(BatchPlan(0, (GroupSpec(0, 0, n),)))
+        h.seal()
+        before = len(per_payload)
+        h.producer().put([Rollout(Trajectory(t, 0, 0, 2, 0), {**fields[0], "old_logprobs": np.zeros(2, np.float32),
+                                                              "loss_mask": np.ones(2, bool),
+                                                              "advantages": np.ones(2, np.float32)}) for t in range(n)])
+        assert len(per_payload) == before + 1  # new trajectories: payload by payload
+        (share,) = h.consumer().take(1)
+        assert len(share.images.pixels) == 0 and all(share.image_ids[t] == () for t in range(n))
+        assert share.fields[IMAGE_FIELD].values.numel() == 0
+    finally:
+        h.close()
