@@ -74,15 +74,21 @@ def _lpt(items: Sequence[ShareItem], rank_nodes: Sequence[str], cap: int,
     load = [0] * nranks
     count = [0] * nranks
     owner: dict[int, int] = {}
+    on_node: dict[str, list[int]] = {}
+    for r, n in enumerate(rank_nodes):
+        on_node.setdefault(n, []).append(r)
     for it in sorted(items, key=lambda i: (-i.tokens, i.traj_id)):
-        open_ranks = [r for r in range(nranks) if count[r] < cap]
-        best_any = min(open_ranks, key=lambda r: (load[r], r))
-        local = [r for r in open_ranks if rank_nodes[r] == it.node]
+        best_any = best_local = -1  # the least loaded open rank (ties: the lowest index), anywhere and on it.node
+        for r in range(nranks):
+            if count[r] < cap and (best_any < 0 or load[r] < load[best_any]):
+                best_any = r
+        for r in on_node.get(it.node, ()):
+            if count[r] < cap and (best_local < 0 or load[r] < load[best_local]):
+                best_local = r
+        assert best_any >= 0  # cap * nranks >= len(items)
         r = best_any
-        if local:
-            best_local = min(local, key=lambda r: (load[r], r))
-            if load[best_local] + it.tokens <= bound or load[best_local] == load[best_any]:
-                r = best_local
+        if best_local >= 0 and (load[best_local] + it.tokens <= bound or load[best_local] == load[best_any]):
+            r = best_local
         owner[it.traj_id] = r
         load[r] += it.tokens
         count[r] += 1

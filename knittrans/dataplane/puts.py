@@ -95,6 +95,8 @@ def columns_take_fast_path(cols: PutColumns, unit_id: str, trajs: Mapping[int, A
     names = cols.names
     metas = cols.metas if groups is not None else None
     extra: dict[int, int] = {}
+    resp, tok = schema.response_fields, schema.token_field
+    kinds: dict[str, tuple[int, bool, bool]] = {}  # field -> (row bytes, response field, token field), once per put
     for i, t in enumerate(cols.traj_ids.tolist()):
         st = trajs.get(t)
         if t in consumed_after_loss or (st is None and t in released):
@@ -112,11 +114,15 @@ def columns_take_fast_path(cols: PutColumns, unit_id: str, trajs: Mapping[int, A
         extra[m.group_id] = extra.get(m.group_id, 0) + 1
         if arrived.get(m.group_id, 0) + extra[m.group_id] > g[1]:
             return False
-        if st is not None:  # fields put before this one must agree with the metadata too
+        if st is not None:  # fields put before this one must agree with the metadata too (``schema.rows_of``)
             for n, b in st.fields.items():
-                rows = schema.rows_of(n, b) if b else None
-                if rows is not None and ((n in schema.response_fields and rows != m.num_tokens)
-                                         or (n == schema.token_field and rows < m.num_tokens)):
+                if not b:
+                    continue
+                k = kinds.get(n)
+                if k is None:
+                    k = kinds[n] = (schema.get(n).row_nbytes, n in resp, n == tok)
+                rows = b // k[0] if k[0] else 0
+                if (k[1] and rows != m.num_tokens) or (k[2] and rows < m.num_tokens):
                     return False
     return True
 
