@@ -60,9 +60,9 @@ import numpy as np
 import torch
 
 from knittrans.dataplane.assign import ShareItem, assign_shares
-from knittrans.dataplane.columns import PutColumns
 from knittrans.dataplane.buffers import aligned
 from knittrans.dataplane.client import DataPlaneClient, PrepareConfig, pack_runs, pack_share
+from knittrans.dataplane.columns import PutColumns
 from knittrans.dataplane.controller import Controller, ControllerConfig
 from knittrans.dataplane.inprocess import InProcessDataPlane
 from knittrans.dataplane.recovery import ControllerJournal

@@ -133,7 +133,8 @@ def test_a_multimodal_completing_put_travels_as_columns_and_keeps_groups_whole(r
                                    for t in range(G * n) if (t // n) % 2 == int(u[1])])
         streamed = len(per_payload)
         for u in ("u0", "u1"):  # completion: the advantages and the metadata, no images
-            h.producer(u).put([Rollout(Trajectory(t, t // n, 0, 2 + t, 0), {"advantages": np.full(2 + t, t, np.float32)})
+            h.producer(u).put([Rollout(Trajectory(t, t // n, 0, 2 + t, 0),
+                                       {"advantages": np.full(2 + t, t, np.float32)})
                                for t in range(G * n) if (t // n) % 2 == int(u[1])])
         assert len(per_payload) == streamed  # the completing puts went as columns
         manifests = ({u: unit.manifest() for u, unit in h.plane.units.items()} if transport is Transport.INPROCESS
