@@ -57,6 +57,12 @@ class PutColumns:
         np.cumsum(self.lengths[j], out=off[1:])
         return off
 
+    def groups(self) -> dict[int, int]:
+        """Trajectory -> its metadata's GRPO group, for the trajectories this put completes (groups >= 0)."""
+        if self.metas is None:
+            return {}
+        return {t: m.group_id for t, m in zip(self.traj_ids.tolist(), self.metas) if m is not None and m.group_id >= 0}
+
     def byte_bounds(self, schema: TrajectorySchema) -> list[list[int]]:
         """Per field (``names`` order), byte offsets into its array (``len + 1``): trajectory ``i``'s bytes of field
         ``j`` are ``[bounds[j][i], bounds[j][i + 1])``."""

@@ -305,11 +305,10 @@ class MMStorageUnit(StorageUnit):
             if any(t not in self._occ for t in cols.traj_ids.tolist()):
                 return None
         got = super().put_columns(cols, arrays)
-        if got is not None and cols.metas is not None:
+        if got is not None:
             with self._occ_lock:
-                for t, m in zip(cols.traj_ids.tolist(), cols.metas):
-                    if m is not None and m.group_id >= 0:
-                        self._group.setdefault(t, int(m.group_id))
+                for t, g in cols.groups().items():
+                    self._group.setdefault(t, int(g))
         return got
 
     def _slot_where(self, ref: EncodingRef, views: Mapping[int, tuple[object, int]] | None
@@ -465,11 +464,7 @@ class MMController(Controller):
         return super()._strip_repeats_locked(records)
 
     def _columns_registered_locked(self, unit_id: str, cols: PutColumns) -> None:
-        # a columnar put brings plain fields, no images: only its completions' groups are new
-        if cols.metas is not None:
-            for t, m in zip(cols.traj_ids.tolist(), cols.metas):
-                if m is not None and m.group_id >= 0:
-                    self._group[t] = m.group_id
+        self._group.update(cols.groups())  # a columnar put brings plain fields, no images: only its groups are new
 
     def _registered_locked(self, records: Sequence[PutRecord]) -> None:
         for r in records:  # before admission runs on them, so shares keep these groups whole

@@ -161,7 +161,8 @@ def test_a_multimodal_completing_put_travels_as_columns_and_keeps_groups_whole(r
         h.add_batch(BatchPlan(0, (GroupSpec(0, 0, n),)))
         h.seal()
         before = len(per_payload)
-        h.producer().put([Rollout(Trajectory(t, 0, 0, 2, 0), {**fields[0], "old_logprobs": np.zeros(2, np.float32),
+        h.producer().put([Rollout(Trajectory(t, 0, 0, 2, 0), {"input_ids": np.arange(6),
+                                                              "old_logprobs": np.zeros(2, np.float32),
                                                               "loss_mask": np.ones(2, bool),
                                                               "advantages": np.ones(2, np.float32)}) for t in range(n)])
         assert len(per_payload) == before + 1  # new trajectories: payload by payload
