@@ -151,7 +151,7 @@ def single_raylet_rows(cfg: ClusterConfig, src) -> list[ClusterPassTrial]:  # no
     with RaySession(cfg.num_ranks, 8) as session:
         systems = systems_of(cfg, layout, session, trace=False)
         try:
-            recs = interleaved_passes(systems, cfg.passes, src.make, 1, 0.0, steady=False)
+            recs = interleaved_passes(systems, cfg.passes, src.make, 1, 0.0, steady=False, settle=session.settle)
         finally:
             for s in systems:
                 s.close()
@@ -195,7 +195,7 @@ def multi_raylet_trace(cfg: ClusterConfig, src, meta: dict):  # noqa: ANN001, AN
                     order = systems[p % len(systems):] + systems[:p % len(systems)]
                     base = 100 * (p + 1)  # fresh batch ids per pass (data is consumed once)
                     recs = interleaved_passes(order, 1, lambda uid, slot: src.make(base + uid, slot), 1, 0.0,
-                                              steady=False, warmup=False)
+                                              steady=False, warmup=False, settle=session.settle)
                     passes += [RecordedPass(p, r.system, GRAPH_OF[r.system],
                                             r.raw.t0, r.raw.raw_s, r.raw.bytes_moved, r.raw.trace,
                                             r.raw.pixel_nbytes) for r in recs]

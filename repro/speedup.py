@@ -139,7 +139,7 @@ def run_point(cfg: SpeedupConfig, session, n: int, k: int) -> list[SpeedupTrial]
     steps = [time_train_steps(model, vision, batches, cfg.train_repeats, warmup=False) for _ in range(cfg.passes)]
     del model
     layout = BenchLayout(cfg.num_ranks, cfg.num_units)
-    session.warm_object_store(2 * (probe.occurrence_pixel_nbytes + 10 * probe.field_nbytes))
+    session.warm_object_store()  # all of it (RaySession.warm_object_store)
     systems = [CentralizedSystem("centralized", layout, session, CentralizedConfig(),
                                  CentralOverlap(cfg.central_overlap)),
                KnitTransSystem("knittrans-ray", layout, Transport.RAY, multimodal=True, session=session)]
@@ -149,7 +149,8 @@ def run_point(cfg: SpeedupConfig, session, n: int, k: int) -> list[SpeedupTrial]
         systems.append(VerlSystem("verl", layout, session, overlap=CentralOverlap(cfg.central_overlap)))
         ipt["verl"] = ipt["centralized"]
     try:
-        recs = interleaved_passes(systems, cfg.passes, src.make, cfg.num_batches, ipt, raw=False)
+        recs = interleaved_passes(systems, cfg.passes, src.make, cfg.num_batches, ipt, raw=False,
+                                  settle=session.settle)
     finally:
         for s in systems:
             s.close()

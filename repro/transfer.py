@@ -219,8 +219,8 @@ def measure(cfg: TransferConfig, progress: bool = True) -> tuple[list[TransferTr
     cpus = max(cfg.ray_num_cpus, tqa.required_ray_cpus(cfg.tq_storage_units) + 1)
     cpus += cfg.num_ranks if System.VERL in kinds else 0  # verl's CPU resource pool: one bundle of 1 CPU per rank
     with (RaySession(cfg.num_ranks, cpus) if need_ray else contextlib.nullcontext()) as session:
-        if need_ray:  # two of the baseline's dense batches (~10x the ragged fields, plus every image occurrence)
-            session.warm_object_store(2 * (probe.occurrence_pixel_nbytes + 10 * probe.field_nbytes))
+        if need_ray:  # all of it: a system that follows verl's ~1 GB passes must not land on untouched pages
+            session.warm_object_store()
         systems = [make_system(k, cfg, layout, session) for k in kinds]
         bar = tqdm(total=cfg.passes * len(systems), desc=f"transfer-{Workload(cfg.workload).value}",
                    disable=None if progress else True)
@@ -230,7 +230,8 @@ def measure(cfg: TransferConfig, progress: bool = True) -> tuple[list[TransferTr
             bar.update(0 if what.startswith("warm") else 1)
         try:
             records = interleaved_passes(systems, cfg.passes, src.make, cfg.num_batches, ipt, raw=cfg.raw_pass,
-                                         raw_repeats=cfg.raw_repeats, progress=step)
+                                         raw_repeats=cfg.raw_repeats, progress=step,
+                                         settle=session.settle if need_ray else None)
         finally:
             bar.close()
             for s in systems:

@@ -8,7 +8,8 @@ and prints per system: its get bandwidth as a fraction of this machine's memcpy 
 slowest rank's rate (what the drain claim measures), the raw pass's median time, and the median get's parts (claim,
 read, pack and the pack's CPU, ms; means beside them: the first share's claim dominates the mean). Timings are of
 this machine at this moment: compare systems within one run, never across runs. ``RAWPROF_WORKLOAD=multimodal``
-runs the multimodal table's batch instead.
+runs the multimodal table's batch instead; ``RAWPROF_SETTLE=0`` skips ``RaySession.settle`` before each pass (the
+tables call it: ``interleaved_passes(settle=...)``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main(names: list[str], rounds: int) -> None:
     layout = BenchLayout(cfg.num_ranks, cfg.num_units, cfg.lead_steps, cfg.warmup_batches, cfg.prefetch_depth)
     src = passes_of(cfg)
     memcpy = memcpy_gbps()
+    settle = os.environ.get("RAWPROF_SETTLE", "1") != "0"
     out: dict[str, list] = {n: [] for n in names}
     with RaySession(cfg.num_ranks, 8) as session:
         session.warm_object_store(20 * src.make(0, 0).field_nbytes)
@@ -48,12 +50,14 @@ def main(names: list[str], rounds: int) -> None:
                 uid += 1
             for r in range(rounds):
                 for s in systems[r % len(systems):] + systems[:r % len(systems)]:
+                    if settle:
+                        session.settle()
                     out[s.name].append(s.run_raw(src.make(uid, 1)))
                     uid += 1
         finally:
             for s in systems:
                 s.close()
-    print(f"memcpy {memcpy:.2f} GB/s, {rounds} rounds")
+    print(f"memcpy {memcpy:.2f} GB/s, {rounds} rounds, settle={settle}")
     for name, results in out.items():
         frac = [r.get_gbps / memcpy for r in results]
         rank = [r.slowest_rank_gbps / memcpy for r in results]

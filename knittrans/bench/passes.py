@@ -39,7 +39,8 @@ class PassRecord:
 def interleaved_passes(systems: Sequence[TransferSystem], passes: int, make_batch: Callable[[int, int], PassData],
                        num_batches: int, iters_per_token: float | Mapping[str, float], raw: bool = True,
                        steady: bool = True, warmup: bool = True, raw_repeats: int = 1,
-                       progress: Callable[[str], None] | None = None) -> list[PassRecord]:
+                       progress: Callable[[str], None] | None = None,
+                       settle: Callable[[], object] | None = None) -> list[PassRecord]:
     """Run ``passes`` interleaved passes (see the module docstring). ``make_batch(uid, slot)``: a batch under
     fresh ids (``uid`` runs over every batch of the run) whose content depends on ``slot`` only (its position in
     the system's pass: 0..N-1 steady, N raw), so every system of a pass moves the same content at the same slot.
@@ -47,7 +48,9 @@ def interleaved_passes(systems: Sequence[TransferSystem], passes: int, make_batc
     ``warmup``: before pass 0 every system moves one batch unrecorded (a raw pass): the first touch of fresh
     memory -- the driver's dense batch, object-store pages, a new handoff's actors -- is not charged to whichever
     system happens to run first. ``raw_repeats``: raw passes per system per pass (the median of their times
-    counts: ``loop.median_raw``), each over a fresh batch of the same content."""
+    counts: ``loop.median_raw``), each over a fresh batch of the same content. ``settle``: called before every
+    timed pass of every system, outside its window (``RaySession.settle``: the processes' heaps collected and
+    frozen), so that no system's pass pays for the garbage another system left."""
     if passes < 1 or not systems:
         raise ValueError(f"interleaved_passes needs passes >= 1 and at least one system, got {passes}, {systems}")
     out: list[PassRecord] = []
@@ -58,6 +61,11 @@ def interleaved_passes(systems: Sequence[TransferSystem], passes: int, make_batc
         batches = [make_batch(counter + i, slot) for i, slot in enumerate(slots)]
         counter += len(slots)
         return batches
+
+    def timed(run: Callable[[], PassResult]) -> PassResult:
+        if settle is not None:
+            settle()
+        return run()
 
     if warmup:
         for s in systems:
@@ -70,8 +78,8 @@ def interleaved_passes(systems: Sequence[TransferSystem], passes: int, make_batc
             ipt = iters_per_token[s.name] if isinstance(iters_per_token, Mapping) else iters_per_token
             if progress is not None:
                 progress(f"pass {p + 1}/{passes} {s.name}")
-            st = s.run_steady(fresh(range(num_batches)), ipt) if steady else None
-            rw = median_raw([s.run_raw(fresh(range(num_batches, num_batches + 1))[0])
+            st = timed(lambda: s.run_steady(fresh(range(num_batches)), ipt)) if steady else None
+            rw = median_raw([timed(lambda: s.run_raw(fresh(range(num_batches, num_batches + 1))[0]))
                              for _ in range(raw_repeats)]) if raw else None
             for r, kind in ((st, PassKind.STEADY), (rw, PassKind.RAW)):
                 if r is not None and r.kind is not kind:

@@ -194,6 +194,22 @@ def test_multi_batch_passes_move_each_batch_once_on_every_system(ray_local):
             assert len(res.exposed) == 2 and all(len(row) == 2 for row in res.exposed)
 
 
+def test_a_ray_session_settles_every_rank_heap_and_hands_the_drivers_back_at_exit(ray_local):
+    """``RaySession.settle`` (called by the tables before every timed pass): each rank actor collects and freezes
+    what is alive, the driver too; the driver's frozen objects go back to the collector when the session ends."""
+    import gc
+
+    from knittrans.bench.ray_ranks import RaySession
+
+    before = gc.get_freeze_count()
+    with RaySession(2) as session:
+        session.settle()
+        assert gc.get_freeze_count() > before
+        frozen = ray.get([r.settle.remote() for r in session.ranks])
+        assert len(frozen) == 2 and min(frozen) > 10_000  # the rank's imports (numpy, torch, Ray) at least
+    assert gc.get_freeze_count() == 0
+
+
 @ray.remote(num_cpus=0)
 class Producer:
     """A rollout worker in its own process (killed by the test after its put)."""

@@ -239,6 +239,34 @@ def test_interleaved_passes_rotate_the_order_and_give_every_system_the_same_cont
     assert len(ids) == len(set(ids))  # fresh ids for every batch of the run (warm-up included)
 
 
+def test_interleaved_passes_settle_before_every_timed_pass_and_never_inside_one():
+    from knittrans.bench import PassKind, PassResult, interleaved_passes
+
+    log = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def run_steady(self, batches, ipt):
+            log.append(f"{self.name}:steady")
+            return PassResult(PassKind.STEADY)
+
+        def run_raw(self, batch):
+            log.append(f"{self.name}:raw")
+            return PassResult(PassKind.RAW, raw_s=1.0)
+
+        def close(self):
+            pass
+
+    interleaved_passes([Recorder("a"), Recorder("b")], 2, _tiny_passes().make, num_batches=1, iters_per_token=0.0,
+                       raw_repeats=2, settle=lambda: log.append("settle"))
+    assert log[:2] == ["a:raw", "b:raw"]  # the unrecorded warm-ups are not settled
+    timed = log[2:]
+    assert timed.count("settle") == 2 * 2 * 3  # passes x systems x (steady + 2 raw repeats)
+    assert all(x == "settle" for x in timed[0::2]) and "settle" not in timed[1::2]
+
+
 def test_scale_presets_compose_and_paper_is_dapo_sized():
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
