@@ -32,6 +32,7 @@ from verl.single_controller.base.decorator import Dispatch, make_nd_compute_data
 from verl.utils import tensordict_utils as tu
 
 from knittrans.bench.loop import Notify, rank_loop
+from knittrans.bench.ray_ranks import map_object_store
 from knittrans.bench.types import Obtained
 from knittrans.dataplane.harness import RankTrace
 from knittrans.dataplane.heap import freeze_startup_heap
@@ -179,6 +180,7 @@ class VerlRank(Worker):
         self.calls: list[RankCall] = []
         self.rows: list[ReceivedRow] = []
         freeze_startup_heap()  # as RankActor: the same process set-up for every system's steps
+        map_object_store()  # and the same mapped object store (RaySession.warm_object_store)
 
     def _notify(self) -> Notify | None:
         signals = self.signals

@@ -211,6 +211,30 @@ def test_a_ray_session_settles_every_rank_heap_and_hands_the_drivers_back_at_exi
 
 
 @ray.remote(num_cpus=0)
+def _map_object_store() -> int:
+    from knittrans.bench.ray_ranks import map_object_store
+
+    return map_object_store()
+
+
+def test_map_object_store_maps_the_written_pages_and_allocates_no_others(ray_local):
+    """``map_object_store`` (every rank actor, once the tables warmed the store): a reader's page faults paid before
+    the passes -- every page an object was written to is mapped, pages nothing wrote are not (mapping them would
+    allocate the whole store)."""
+    import platform
+
+    import numpy as np
+
+    if platform.system() != "Linux" or tuple(int(v) for v in platform.release().split(".")[:2]) < (5, 14):
+        pytest.skip("MADV_POPULATE_READ needs Linux >= 5.14 (elsewhere map_object_store maps nothing)")
+    ref = ray.put(np.ones(64 << 20, dtype=np.uint8))
+    mapped = ray.get(_map_object_store.remote())
+    assert mapped >= 64 << 20
+    assert mapped < ray.cluster_resources()["object_store_memory"]
+    del ref
+
+
+@ray.remote(num_cpus=0)
 class Producer:
     """A rollout worker in its own process (killed by the test after its put)."""
 
