@@ -41,7 +41,7 @@ def main(names: list[str], rounds: int) -> None:
     settle = os.environ.get("RAWPROF_SETTLE", "1") != "0"
     out: dict[str, list] = {n: [] for n in names}
     with RaySession(cfg.num_ranks, 8) as session:
-        session.warm_object_store(20 * src.make(0, 0).field_nbytes)
+        session.warm_object_store()  # as the tables: the whole store, the ranks' pages mapped
         systems = [make_system(System(n), cfg, layout, session) for n in names]
         uid = 0
         try:

@@ -227,10 +227,7 @@ class RaySession:
         if n <= self._warmed:
             return 0
         chunk = np.ones(min(n, WARM_CHUNK), dtype=np.uint8)
-        refs, left = [], n
-        while left > 0:
-            refs.append(ray.put(chunk[:min(left, chunk.size)]))
-            left -= min(left, chunk.size)
+        refs = [ray.put(chunk[:min(chunk.size, n - at)]) for at in range(0, n, chunk.size)]
         ray.get(refs)
         del refs
         self._warmed = n
