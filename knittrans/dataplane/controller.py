@@ -36,7 +36,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from knittrans.dataplane.assign import ShareItem, assign_shares
 from knittrans.dataplane.idset import IdRanges
@@ -92,6 +92,40 @@ class _MiniBatchState:
     the same incarnation (its reply was lost) gets the same share again (``claim``)."""
 
 
+class _PollWait:
+    """A waiting ``Controller.poll`` or ``claim_many`` (``retired_since`` False) and its answer, once given."""
+
+    __slots__ = ("seq", "rank", "fields", "limit", "epoch", "retired_since", "t_wait", "event", "result")
+
+    def __init__(self, seq: int, rank: int, fields: tuple[str, ...], limit: int, epoch: int | None,
+                 retired_since: "tuple[str, int] | None | bool") -> None:
+        _check_seq(seq)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise AdmissionStateError(f"claim_many: limit must be an int >= 1, got {limit!r}")
+        self.seq, self.rank, self.fields, self.limit, self.epoch = seq, rank, fields, limit, epoch
+        self.retired_since, self.t_wait = retired_since, time.perf_counter()
+        self.event = threading.Event()
+        self.result: Polled | None = None
+
+
+def _check_seq(seq: object) -> None:
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:  # -1 would read the last mini-batch
+        raise AdmissionStateError(f"seq must be an int >= 0 (an admission order), got {seq!r}")
+
+
+class _WakingCondition(threading.Condition):
+    """The controller's lock: ``notify_all`` also wakes the polls, which wait on events (an answer needs no lock)."""
+
+    def __init__(self, polls: list[_PollWait]) -> None:
+        super().__init__()
+        self._waiting_polls = polls
+
+    def notify_all(self) -> None:
+        super().notify_all()
+        for wait in self._waiting_polls:
+            wait.event.set()
+
+
 class Controller(PutRegistry):
     """Metadata of one data plane. ``unit_nodes`` maps each storage unit id to its node. ``journal``: where the
     controller writes what only it knows, before it answers, so that a restarted controller can be rebuilt from
@@ -109,7 +143,9 @@ class Controller(PutRegistry):
         self._shown_upto: int | None = None  # None: every admission is visible at once (``show_durable_only``)
         # A restart rebuilds the policy by replaying its inputs into a fresh copy of it (taken before any input).
         self._pristine = copy.deepcopy(policy) if journal is not None and policy is not None else None
-        self._cv = threading.Condition()
+        self._polls: list[_PollWait] = []  # long polls waiting (``poll``), answered in place when they can be
+        self._cv = _WakingCondition(self._polls)
+        self._durable: Callable[[], None] | None = None  # ``show_durable_only``'s in-lock flush, if the host has one
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -189,6 +225,7 @@ class Controller(PutRegistry):
         """Admit every mini-batch the policy commits now (it is asked until it commits nothing). A policy that
         fails (a batch it cannot split) fails the handoff: every waiter re-raises the error."""
         assert self.policy is not None
+        before = len(self._log)
         try:
             while mbs := self.policy.on_trainer_ready(time.perf_counter() - self._t0):
                 for mb in mbs:
@@ -197,6 +234,8 @@ class Controller(PutRegistry):
             if self._journal is not None and skipped != self._skip_journaled:
                 self._journal.count("skipped", skipped)
                 self._skip_journaled = skipped
+            if len(self._log) > before:
+                self._admitted_durable_locked()
         except Exception as e:  # noqa: BLE001 - stored for every waiter, then re-raised to this caller
             self._failure = e
             self._cv.notify_all()
@@ -262,14 +301,15 @@ class Controller(PutRegistry):
         ``knittrans.mmdedup.plane.MMController`` keeps GRPO groups whole."""
         return assign_shares(items, self.config.rank_nodes, self.config.balance_slack, self.config.equal_counts)
 
-    def show_durable_only(self) -> None:
-        """From now on an admission becomes visible to waiters (``next_admitted``, the feeds' polls) only when its
-        host says it is durable (``show``), not when it is made. A host whose journal is written after each call
-        (``ray_transport.ControllerHost``) shows an admission once its flush has written it: a poll woken at the
-        admission itself would only wait for that same flush -- for the GIL, beside the admitting call's and the
-        next register's Python -- before it may answer (every answer follows the flush of what it reports)."""
+    def show_durable_only(self, flush: Callable[[], None] | None = None) -> None:
+        """From now on an admission is visible to waiters (``next_admitted``, the feeds' polls) only once its host
+        says it is durable (``show``: every answer follows the flush of what it reports). ``flush``: the host's
+        journal flush, called under this lock by the call whose registration admitted (``_admit_ready_locked``),
+        which then shows the admission and answers the waiting polls in place (``_serve_polls_locked``) instead of
+        leaving them to its host's flush after the call and to whichever call takes the lock next."""
         with self._cv:
             self._shown_upto = len(self._log)
+            self._durable = flush
 
     def admitted_count(self) -> int:
         """Mini-batches admitted so far (visible or not)."""
@@ -279,9 +319,24 @@ class Controller(PutRegistry):
     def show(self, count: int) -> None:
         """The first ``count`` admissions are durable: wake whoever waits for them (``show_durable_only``)."""
         with self._cv:
-            if self._shown_upto is not None and count > self._shown_upto:
-                self._shown_upto = min(count, len(self._log))
-                self._cv.notify_all()
+            self._show_locked(count)
+
+    def _show_locked(self, count: int) -> None:
+        if self._shown_upto is not None and count > self._shown_upto:
+            self._shown_upto = min(count, len(self._log))
+            self._serve_polls_locked()
+            self._cv.notify_all()
+
+    def _admitted_durable_locked(self) -> None:
+        """A call admitted (lock held): with a host flush (``show_durable_only``), write and show it now."""
+        if self._durable is None or self._shown_upto is None:
+            return
+        count = len(self._log)  # every admission counted is queued in the journal already (``_admit_locked``)
+        try:
+            self._durable()
+        except Exception:  # noqa: BLE001 - nothing shown; the host's flush after the call raises it to the caller
+            return
+        self._show_locked(count)
 
     def _shown(self) -> int:
         """Admissions visible to waiters (lock held)."""
@@ -290,24 +345,27 @@ class Controller(PutRegistry):
     def next_admitted(self, seq: int, timeout: float | None = None) -> AdmittedMiniBatch:
         """The ``seq``-th admitted mini-batch, waiting until it is admitted. Raises ``TimeoutError`` after
         ``timeout`` seconds, ``DataPlaneClosedError`` if the controller closes first."""
-        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:  # -1 would read the last mini-batch
-            raise AdmissionStateError(f"seq must be an int >= 0 (an admission order), got {seq!r}")
+        _check_seq(seq)
         with self._cv:
-            ok = self._cv.wait_for(lambda: (self._closed or self._shown() > seq or self._failure is not None
-                                            or self._ended(seq)), timeout=timeout)
-            if self._shown() > seq:
-                key = self._log[seq]
-                self._raise_released(key, f"#{seq} ")
-                return self._mbs[key].admitted
-            if self._failure is not None:
-                raise self._failure
-            if self._ended(seq):
-                raise EndOfStream(f"the stream is sealed after {self._planned_now()} mini-batches: there is no "
-                                  f"#{seq}")
-            if self._closed:
-                raise DataPlaneClosedError(f"controller closed before mini-batch #{seq} was admitted")
-            assert not ok
-            raise TimeoutError(f"no mini-batch #{seq} admitted within {timeout} s")
+            got: list[AdmittedMiniBatch | None] = []
+            if not self._cv.wait_for(lambda: got.append(self._admitted_now_locked(seq)) or got[-1] is not None,
+                                     timeout):
+                raise TimeoutError(f"no mini-batch #{seq} admitted within {timeout} s")
+            return got[-1]
+
+    def _admitted_now_locked(self, seq: int) -> AdmittedMiniBatch | None:
+        """The shown ``seq``-th mini-batch (lock held); None: not yet; raises past a release, failure, end, close."""
+        if self._shown() > seq:
+            key = self._log[seq]
+            self._raise_released(key, f"#{seq} ")
+            return self._mbs[key].admitted
+        if self._failure is not None:
+            raise self._failure
+        if self._ended(seq):
+            raise EndOfStream(f"the stream is sealed after {self._planned_now()} mini-batches: there is no #{seq}")
+        if self._closed:
+            raise DataPlaneClosedError(f"controller closed before mini-batch #{seq} was admitted")
+        return None
 
     def _ended(self, seq: int) -> bool:
         return self._sealed and self.policy is not None and seq >= self._planned_now()
@@ -401,31 +459,15 @@ class Controller(PutRegistry):
 
     def claim_many(self, seq: int, rank: int, fields: Sequence[str], limit: int, timeout: float | None = None,
                    epoch: int | None = None) -> tuple[ShareLocation, ...]:
-        """The long poll of a rank's feed (``knittrans.dataplane.feed``): wait for the ``seq``-th admitted
-        mini-batch and for the re-put of any of the share's lost trajectories (a share is never handed out in
-        part), then claim rank ``rank``'s shares of it and of every later mini-batch admitted by now, at most
-        ``limit``, in admission order (the first with ``waited_s``). One round trip hands a rank every share
-        admitted since its last call. ``TimeoutError`` (nothing claimed) if #``seq`` is not admitted in time; a
-        later share that cannot be claimed now ends the list instead of failing it."""
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise AdmissionStateError(f"claim_many: limit must be an int >= 1, got {limit!r}")
-        t_wait = time.perf_counter()
-        adm = self.next_admitted(seq, timeout)
+        """Wait for the ``seq``-th admitted mini-batch and the re-put of its share's lost trajectories, then claim rank
+        ``rank``'s shares of it and of every later one shown, at most ``limit`` (``_poll_now_locked``). ``TimeoutError``
+        (nothing claimed) if that takes longer than ``timeout``."""
+        wait = _PollWait(seq, rank, tuple(fields), limit, epoch, False)
         with self._cv:
-            share = adm.shares[rank] if 0 <= rank < self.num_ranks else ()
-            if not self._cv.wait_for(lambda: self._closed or not self._missing.intersection(share), timeout):
-                raise TimeoutError(f"mini-batch #{seq} rank {rank}: lost trajectories not re-put within {timeout} s")
-            first = self.claim(adm.key, rank, fields, epoch)
-            out = [dataclasses.replace(first, waited_s=time.perf_counter() - t_wait)]
-            for s in range(seq + 1, seq + limit):
-                st = self._mbs.get(self._log[s]) if s < self._shown() else None
-                if st is None or self._missing.intersection(st.admitted.shares[rank]):
-                    break
-                try:
-                    out.append(self.claim(st.admitted.key, rank, fields, epoch))
-                except DataPlaneError:
-                    break  # claimed already, or not produced yet: the rank's next poll asks for it
-        return tuple(out)
+            got: list[Polled | None] = []
+            if not self._cv.wait_for(lambda: got.append(self._poll_now_locked(wait)) or got[-1] is not None, timeout):
+                raise TimeoutError(f"mini-batch #{seq} rank {rank}: not admitted (or lost rows re-put) in {timeout} s")
+            return got[-1].locs
 
     def poll(self, seq: int, rank: int, fields: Sequence[str], limit: int, timeout: float | None = None,
              epoch: int | None = None, retired_since: tuple[str, int] | None = None) -> Polled:
@@ -435,17 +477,59 @@ class Controller(PutRegistry):
         off, since the epoch is taken before the wait). A poll that finds nothing admitted within ``timeout``
         returns no shares (with the epoch) instead of raising: timing out is a long poll's normal answer. Every
         answer carries the sources retired since the poller's cursor ``retired_since`` (``SourceTable``): what the
-        reader may let go of."""
+        reader may let go of. The call that shows its mini-batch answers a waiting poll in place, under that call's
+        lock (``_serve_polls_locked``); any other change (``notify_all``) wakes it to check again."""
+        wait = _PollWait(seq, rank, tuple(fields), limit, epoch, retired_since)
+        deadline = None if timeout is None else wait.t_wait + timeout
         with self._cv:
             self._check_rank(rank)
-            if epoch is None:
-                epoch = self._epochs.get(rank, 0)
-        try:
-            locs = self.claim_many(seq, rank, fields, limit, timeout, epoch)
-        except TimeoutError:
-            locs = ()
-        with self._cv:
-            return Polled(epoch, locs, self._sources.retired_since(retired_since))
+            wait.epoch = self._epochs.get(rank, 0) if epoch is None else epoch
+        while True:
+            with self._cv:
+                polled = wait.result or self._poll_now_locked(wait)
+                if polled is not None or (deadline is not None and time.perf_counter() >= deadline):
+                    return polled or Polled(wait.epoch, (), self._sources.retired_since(retired_since))
+                wait.event.clear()
+                self._polls.append(wait)
+            wait.event.wait(None if deadline is None else max(0.0, deadline - time.perf_counter()))
+            if wait.result is not None:  # answered in place: no lock to take
+                return wait.result
+            with self._cv:
+                if wait in self._polls:
+                    self._polls.remove(wait)
+
+    def _poll_now_locked(self, wait: "_PollWait") -> Polled | None:
+        """``wait``'s shares if they can be claimed now (lock held; a share is never handed out in part); None: wait.
+        The first claim raises what ``claim`` raises; a later share that cannot be claimed ends the list."""
+        self._check_rank(wait.rank)
+        adm = self._admitted_now_locked(wait.seq)
+        if adm is None or (not self._closed and self._missing.intersection(adm.shares[wait.rank])):
+            return None
+        first = self.claim(adm.key, wait.rank, wait.fields, wait.epoch)
+        out = [dataclasses.replace(first, waited_s=time.perf_counter() - wait.t_wait)]
+        for s in range(wait.seq + 1, wait.seq + wait.limit):
+            st = self._mbs.get(self._log[s]) if s < self._shown() else None
+            if st is None or self._missing.intersection(st.admitted.shares[wait.rank]):
+                break
+            try:
+                out.append(self.claim(st.admitted.key, wait.rank, wait.fields, wait.epoch))
+            except DataPlaneError:
+                break  # claimed already, or not produced yet: the rank's next poll asks for it
+        retired = self._sources.retired_since(wait.retired_since) if wait.retired_since is not False else None
+        return Polled(wait.epoch if wait.epoch is not None else -1, tuple(out), retired)
+
+    def _serve_polls_locked(self) -> None:
+        """Answer every waiting poll that can be answered now (lock held); one that would raise is woken to raise."""
+        for wait in list(self._polls):
+            try:
+                wait.result = self._poll_now_locked(wait)
+            except Exception:  # noqa: BLE001 - re-raised by the poll's own check
+                wait.result = None
+            else:
+                if wait.result is None:
+                    continue  # not yet: it keeps waiting
+            self._polls.remove(wait)
+            wait.event.set()
 
     def ack(self, key: MiniBatchKey, rank: int, fields: Sequence[str],
             epoch: int | None = None) -> tuple[tuple[str, tuple[int, ...]], ...]:

@@ -204,3 +204,55 @@ def test_an_admission_is_shown_to_the_polls_only_after_the_journal_flush_that_wr
     ctrl.show(ctrl.admitted_count())
     assert [loc.seq for loc in ctrl.poll(1, 0, TEXT_SCHEMA.names, 1, timeout=1.0).locs] == [1]
     host.close()
+
+
+def test_a_waiting_poll_is_answered_by_the_admitting_call_once_the_journal_file_holds_the_admission(
+        tmp_path, monkeypatch):
+    """A Ray controller writes an admission its policy made into the journal file inside the registration that made
+    it, and answers the polls waiting for it there, under that call's lock: a rank's first share leaves with the
+    admitting call instead of after it, its host's flush and whichever call takes the lock next (the other producer's
+    registration, ~2-5 ms on a loaded machine). The answer is backed by the file: a controller restarted right after
+    the call finds the admission. A poll itself writes nothing and answers without a flush."""
+    import tempfile
+    import uuid
+
+    from knittrans.admission.minibatch import KnitTransAdmission
+    from knittrans.constraints import BatchConstraints
+    from knittrans.dataplane import ray_transport
+    from knittrans.dataplane.journal_file import FileJournal, journal_path
+    from knittrans.dataplane.storage import StorageUnit
+    from knittrans.types import BatchPlan, GroupSpec, Trajectory
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the journal file (journal_path) under tmp_path
+    plane = f"served-{uuid.uuid4().hex[:8]}"
+    c = BatchConstraints(batch_size=4, num_minibatches=1, max_response_len=8, group_size=2)
+    host = ray_transport.ControllerHost(TEXT_SCHEMA, {"u0": "n0"}, ray_transport.ControllerConfig(("n0",)), {},
+                                        policy=KnitTransAdmission(c), plane=plane)
+    ctrl = host.ctrl
+    host.add_batch(BatchPlan(0, (GroupSpec(0, 0, 2), GroupSpec(1, 0, 2))))
+    at_flush: list[tuple[int, int]] = []  # (admitted, claims) each time the in-call flush runs
+    durable = ctrl._durable
+    monkeypatch.setattr(ctrl, "_durable", lambda: (at_flush.append((ctrl.admitted_count(), ctrl.stats().claims)),
+                                                   durable())[1])
+    got: list = []
+    poller = threading.Thread(target=lambda: got.append(ctrl.poll(0, 0, TEXT_SCHEMA.names, 1, timeout=10.0)))
+    poller.start()
+    deadline = time.monotonic() + 5.0
+    while not ctrl._polls and time.monotonic() < deadline:  # the poll is waiting
+        time.sleep(0.001)
+    payloads = []
+    for t in range(4):
+        p = TrajectoryPayload(t, {"input_ids": np.arange(4, dtype=np.int64), "old_logprobs": np.zeros(2, np.float32),
+                                  "advantages": np.ones(2, np.float32), "loss_mask": np.ones(2, bool)},
+                              meta=Trajectory(traj_id=t, group_id=t // 2, batch_id=0, num_tokens=2, v_gen=0))
+        payloads.append(p)
+    host.register(StorageUnit("u0", "n0", TEXT_SCHEMA).put(payloads))
+    assert at_flush == [(1, 0)]  # written inside the admitting call, before anything was handed out
+    assert ctrl.stats().claims == 1  # and the waiting poll answered by that call, before it returned
+    assert [k.batch_id for k in FileJournal(journal_path(plane)).attach().log] == [0]  # what a restart finds
+    poller.join(timeout=10.0)
+    assert [(loc.seq, sorted(loc.traj_ids)) for loc in got[0].locs] == [(0, [0, 1, 2, 3])]
+    flushes: list[int] = []
+    monkeypatch.setattr(host._journal, "flush", lambda: flushes.append(1))
+    assert host.poll(1, 0, TEXT_SCHEMA.names, 1, timeout=0.01).locs == () and flushes == []  # no flush for a poll
+    host.close()
