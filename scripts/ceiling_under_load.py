@@ -48,23 +48,44 @@ def main(rounds: int) -> None:
     memcpy = memcpy_gbps()
     real_get = ray.get
 
+    class OtherPuts:
+        """``other``'s completing puts (its advantages, per unit, on threads), as knittrans-ray's producers put them
+        at t0; ``start`` starts them once, ``first`` is set when one of them has returned (stored and registered);
+        ``finish`` waits for them and discards the batch (put and registered, never admitted)."""
+
+        def __init__(self, dp, other) -> None:  # noqa: ANN001
+            self.dp, self.other, self.first = dp, other, threading.Event()
+            by_unit: dict[str, list] = {}
+            for r in other.rollouts:
+                by_unit.setdefault(layout.unit(other.producer_of[r.traj.traj_id]), []).append(
+                    TrajectoryPayload(r.traj.traj_id, {f: r.tensors[f] for f in COMPLETION_FIELDS}))
+            self.threads = [threading.Thread(target=self._put, args=(u, ps)) for u, ps in by_unit.items()]
+            self._started = False
+
+        def _put(self, unit: str, payloads: list) -> None:
+            self.dp.client(unit).put(payloads)
+            self.first.set()
+
+        def start(self) -> None:
+            if not self._started:
+                self._started = True
+                for t in self.threads:
+                    t.start()
+
+        def finish(self) -> None:
+            for t in self.threads:
+                if self._started:
+                    t.join()
+            self.dp.client().discard([r.traj.traj_id for r in self.other.rollouts])
+
     def with_puts_beside(system: EngineCeilingSystem, batch, other):  # noqa: ANN001, ANN202
         """``system.run_raw(batch)`` with ``other``'s completing puts started as the ranks' reads are (the ceiling
         times its ranks from the ``ray.get`` of their runs: the first list of refs it waits on)."""
-        dp = system._dp(batch)
-        by_unit: dict[str, list] = {}
-        for r in other.rollouts:
-            by_unit.setdefault(layout.unit(other.producer_of[r.traj.traj_id]), []).append(r)
-        threads: list[threading.Thread] = []
+        puts = OtherPuts(system._dp(batch), other)
 
         def get(refs, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
-            if isinstance(refs, list) and not threads:
-                for unit, rs in by_unit.items():
-                    payloads = [TrajectoryPayload(r.traj.traj_id, {f: r.tensors[f] for f in COMPLETION_FIELDS})
-                                for r in rs]
-                    threads.append(threading.Thread(target=dp.client(unit).put, args=(payloads,)))
-                for t in threads:
-                    t.start()
+            if isinstance(refs, list):
+                puts.start()
             return real_get(refs, *a, **k)
 
         ray.get = get
@@ -72,58 +93,41 @@ def main(rounds: int) -> None:
             return system.run_raw(batch)
         finally:
             ray.get = real_get
-            for t in threads:
-                t.join()
-            dp.client().discard([r.traj.traj_id for r in other.rollouts])
+            puts.finish()
 
     class _Delayed:
-        """A rank actor whose ``run`` is submitted only once ``ready`` is set (the first producer's put done)."""
+        """A rank actor whose ``run`` is submitted only once ``wait()`` returns (the first producer's put done)."""
 
-        def __init__(self, handle, start) -> None:  # noqa: ANN001
-            self.handle, self.start = handle, start
+        def __init__(self, handle, wait) -> None:  # noqa: ANN001
+            self.handle, self.wait = handle, wait
 
         @property
         def run(self):  # noqa: ANN202
-            handle, start = self.handle, self.start
+            handle, wait = self.handle, self.wait
 
             class _Method:
                 @staticmethod
                 def remote(*a, **k):  # noqa: ANN002, ANN003, ANN205
-                    start()
+                    wait()
                     return handle.run.remote(*a, **k)
             return _Method
 
     def after_first_put(system: EngineCeilingSystem, batch, other, session):  # noqa: ANN001, ANN202
         """``system.run_raw(batch)`` whose ranks start reading once the first of ``other``'s two completing puts
         has returned (stored and registered), the second still running."""
-        dp = system._dp(batch)
-        by_unit: dict[str, list] = {}
-        for r in other.rollouts:
-            by_unit.setdefault(layout.unit(other.producer_of[r.traj.traj_id]), []).append(r)
-        first = threading.Event()
-        threads: list[threading.Thread] = []
+        puts = OtherPuts(system._dp(batch), other)
 
-        def put(unit: str, rs: list) -> None:
-            dp.client(unit).put([TrajectoryPayload(r.traj.traj_id, {f: r.tensors[f] for f in COMPLETION_FIELDS})
-                                 for r in rs])
-            first.set()
-
-        def start() -> None:
-            if not threads:
-                threads.extend(threading.Thread(target=put, args=(u, rs)) for u, rs in by_unit.items())
-                for t in threads:
-                    t.start()
-            first.wait()
+        def wait() -> None:
+            puts.start()
+            puts.first.wait()
 
         ranks = session.ranks
-        session.ranks = [_Delayed(h, start) for h in ranks]
+        session.ranks = [_Delayed(h, wait) for h in ranks]
         try:
             return system.run_raw(batch)
         finally:
             session.ranks = ranks
-            for t in threads:
-                t.join()
-            dp.client().discard([r.traj.traj_id for r in other.rollouts])
+            puts.finish()
 
     arms = ("alone", "with the completing puts beside it", "reads after the first put is registered")
     out: dict[str, list[float]] = {a: [] for a in arms}
