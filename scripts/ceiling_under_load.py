@@ -73,8 +73,8 @@ def main(rounds: int) -> None:
                     t.start()
 
         def finish(self) -> None:
-            for t in self.threads:
-                if self._started:
+            if self._started:
+                for t in self.threads:
                     t.join()
             self.dp.client().discard([r.traj.traj_id for r in self.other.rollouts])
 
