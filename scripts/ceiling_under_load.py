@@ -15,14 +15,23 @@ A third arm starts the reads where knittrans-ray's can start at the earliest: on
 stored and registered (its first admission needs it), with the second producer's put still running beside them.
 Reads that overlap the whole of both puts (the second arm) are the pessimistic bound; this one is the overlap the
 raw pass imposes on a design that reads each share as soon as it is admitted.
+
+A fourth arm adds the least control path such a design can have: the ranks start at t0 with their refs but read
+the first half of their shares only once an idle actor's reply tells them that the first put is registered, and the
+second half once the second one is (the text batch's two completing puts admit two mini-batches each); the wait from
+the notifier's stamp to the reply's arrival counts in the get, as knittrans-ray's claim does (admission -> the rank
+holds the location). Its bandwidth is what the engine allows any design that admits as the puts register and hands
+each admission's locations to the ranks in one message; ``per pass`` prints where each arm's get time went.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import sys
 import threading
+import time
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -34,7 +43,8 @@ def main(rounds: int) -> None:
     import torch
 
     from knittrans.bench import BenchLayout
-    from knittrans.bench.ceiling import EngineCeilingSystem
+    from knittrans.bench import ceiling as ceiling_mod
+    from knittrans.bench.ceiling import EngineCeilingSystem, RunsSource
     from knittrans.bench.ray_ranks import RaySession
     from knittrans.bench.types import COMPLETION_FIELDS
     from knittrans.dataplane.harness import memcpy_gbps
@@ -129,8 +139,76 @@ def main(rounds: int) -> None:
             session.ranks = ranks
             puts.finish()
 
-    arms = ("alone", "with the completing puts beside it", "reads after the first put is registered")
+    @ray.remote(num_cpus=0, max_concurrency=4)
+    class Notifier:
+        """The least control path of a design that admits as the puts register: per wave (a put registered), one
+        reply of an idle actor to each rank."""
+
+        def __init__(self) -> None:
+            self.told, self.at = [threading.Event(), threading.Event()], [0.0, 0.0]
+
+        def tell(self, wave: int) -> None:
+            self.at[wave] = time.perf_counter()  # the "admission": the notifier learns that a put is registered
+            self.told[wave].set()
+
+        def wait(self, wave: int) -> float:
+            self.told[wave].wait()
+            return self.at[wave]
+
+    @dataclasses.dataclass
+    class NotifiedRunsSource(RunsSource):
+        """``RunsSource`` whose rank waits for ``notifier``'s reply before the first share of each half of the pass
+        (wave 0: the first put registered; wave 1: both); that wait, from the notifier's stamp to the reply's
+        arrival (the claim as knittrans-ray times it: admission -> the rank holds the location, 0 when the rank
+        was told before it asked), is added to that get."""
+
+        notifier: object = None
+
+        def obtain(self, step: int):  # noqa: ANN201
+            claim, half = 0.0, max(1, len(self.locs) // 2)
+            if step % half == 0 and step // half < 2:
+                t_ask = time.perf_counter()
+                at = real_get(self.notifier.wait.remote(step // half))
+                claim = max(0.0, time.perf_counter() - max(at, t_ask))
+            got = RunsSource.obtain(self, step)
+            return dataclasses.replace(got, get_s=got.get_s + claim, parts=(claim,) + tuple(got.parts[1:]))
+
+    def notified(system: EngineCeilingSystem, batch, other):  # noqa: ANN001, ANN202
+        """``system.run_raw(batch)`` whose ranks, started at t0 with their refs, read each half of their shares once
+        an idle actor's reply tells them that the first (then the second) of ``other``'s completing puts is
+        registered."""
+        puts, note = OtherPuts(system._dp(batch), other), Notifier.remote()
+
+        def tell() -> None:
+            puts.first.wait()
+            note.tell.remote(0)
+            for t in puts.threads:
+                t.join()
+            note.tell.remote(1)
+
+        teller = threading.Thread(target=tell)
+
+        def get(refs, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if isinstance(refs, list) and not puts._started:
+                puts.start()
+                teller.start()
+            return real_get(refs, *a, **k)
+
+        ceiling_mod.RunsSource = lambda locs, dp: NotifiedRunsSource(locs, dp, notifier=note)
+        ray.get = get
+        try:
+            return system.run_raw(batch)
+        finally:
+            ray.get, ceiling_mod.RunsSource = real_get, RunsSource
+            if puts._started:
+                teller.join()
+            puts.finish()
+            ray.kill(note)
+
+    arms = ("alone", "with the completing puts beside it", "reads after the first put is registered",
+            "reads once notified, per put, by an idle actor")
     out: dict[str, list[float]] = {a: [] for a in arms}
+    parts: dict[str, list[tuple[float, ...]]] = {a: [] for a in arms}
     with RaySession(cfg.num_ranks, 8) as session:
         session.warm_object_store()  # as the tables: the whole store, the ranks' pages mapped
         system = EngineCeilingSystem("engine-ceiling", layout, session)
@@ -138,17 +216,22 @@ def main(rounds: int) -> None:
             system.run_raw(src.make(0, 0))  # warm-up: new actors, first touches
             uid = 1
             for r in range(rounds):
-                for arm in arms[r % 3:] + arms[:r % 3]:
+                for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
                     batch, other = src.make(uid, 1), src.make(10_000 + uid, 1)
                     res = (system.run_raw(batch) if arm == arms[0] else with_puts_beside(system, batch, other)
-                           if arm == arms[1] else after_first_put(system, batch, other, session))
+                           if arm == arms[1] else after_first_put(system, batch, other, session)
+                           if arm == arms[2] else notified(system, batch, other))
                     out[arm].append(res.get_gbps / memcpy)
+                    parts[arm].extend(res.get_parts)
                     uid += 1
         finally:
             system.close()
     print(f"memcpy {memcpy:.2f} GB/s, {rounds} rounds")
     for what, xs in out.items():
-        print(f"engine ceiling {what:40s} get {statistics.median(xs):.3f} [{min(xs):.3f}, {max(xs):.3f}] of memcpy")
+        print(f"engine ceiling {what:48s} get {statistics.median(xs):.3f} [{min(xs):.3f}, {max(xs):.3f}] of memcpy")
+        if parts[what]:
+            sums = [sum(p[i] for p in parts[what]) / len(xs) * 1e3 for i in range(3)]
+            print(f"{'':63s} per pass (ms, mean): claim {sums[0]:.2f} + read {sums[1]:.2f} + pack {sums[2]:.2f}")
 
 
 if __name__ == "__main__":
