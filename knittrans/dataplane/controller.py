@@ -114,16 +114,17 @@ def _check_seq(seq: object) -> None:
 
 
 class _WakingCondition(threading.Condition):
-    """The controller's lock: ``notify_all`` also wakes the polls, which wait on events (an answer needs no lock)."""
+    """The controller's lock: ``notify_all`` also serves the waiting polls (``serve``, lock held), which wait on
+    events: a poll wakes with its answer, or to raise, never only to check again -- a poll woken to check takes the
+    lock, and behind an admission (which holds it for milliseconds) its answer, given in place meanwhile, waits too."""
 
-    def __init__(self, polls: list[_PollWait]) -> None:
+    def __init__(self, serve: Callable[[], None]) -> None:
         super().__init__()
-        self._waiting_polls = polls
+        self._serve = serve
 
     def notify_all(self) -> None:
         super().notify_all()
-        for wait in self._waiting_polls:
-            wait.event.set()
+        self._serve()
 
 
 class Controller(PutRegistry):
@@ -144,7 +145,7 @@ class Controller(PutRegistry):
         # A restart rebuilds the policy by replaying its inputs into a fresh copy of it (taken before any input).
         self._pristine = copy.deepcopy(policy) if journal is not None and policy is not None else None
         self._polls: list[_PollWait] = []  # long polls waiting (``poll``), answered in place when they can be
-        self._cv = _WakingCondition(self._polls)
+        self._cv = _WakingCondition(self._serve_polls_locked)
         self._durable: Callable[[], None] | None = None  # ``show_durable_only``'s in-lock flush, if the host has one
         self._reset_state()
 
@@ -324,7 +325,6 @@ class Controller(PutRegistry):
     def _show_locked(self, count: int) -> None:
         if self._shown_upto is not None and count > self._shown_upto:
             self._shown_upto = min(count, len(self._log))
-            self._serve_polls_locked()
             self._cv.notify_all()
 
     def _admitted_durable_locked(self) -> None:
@@ -478,7 +478,8 @@ class Controller(PutRegistry):
         returns no shares (with the epoch) instead of raising: timing out is a long poll's normal answer. Every
         answer carries the sources retired since the poller's cursor ``retired_since`` (``SourceTable``): what the
         reader may let go of. The call that shows its mini-batch answers a waiting poll in place, under that call's
-        lock (``_serve_polls_locked``); any other change (``notify_all``) wakes it to check again."""
+        lock (``_serve_polls_locked``), as does every other change (``notify_all``): a poll wakes with its answer, to
+        raise, or at its timeout."""
         wait = _PollWait(seq, rank, tuple(fields), limit, epoch, retired_since)
         deadline = None if timeout is None else wait.t_wait + timeout
         with self._cv:

@@ -256,3 +256,47 @@ def test_a_waiting_poll_is_answered_by_the_admitting_call_once_the_journal_file_
     monkeypatch.setattr(host._journal, "flush", lambda: flushes.append(1))
     assert host.poll(1, 0, TEXT_SCHEMA.names, 1, timeout=0.01).locs == () and flushes == []  # no flush for a poll
     host.close()
+
+
+def test_a_waiting_poll_is_woken_only_by_its_answer_and_leaves_while_the_admitting_call_still_holds_the_lock(
+        tmp_path, monkeypatch):
+    """The changes a registration makes before its admission is written (its completions, the admission itself) do
+    not wake a waiting poll: woken to check again, it would queue for the controller's lock behind that call and
+    the next one, and its answer, given in place meanwhile, would wait with it (~10 ms under the raw pass's load,
+    perf sched trace in docs/experiments.md, session 43). It wakes with its answer and returns without the lock."""
+    import tempfile
+    import uuid
+
+    from knittrans.admission.minibatch import KnitTransAdmission
+    from knittrans.constraints import BatchConstraints
+    from knittrans.dataplane import ray_transport
+    from knittrans.dataplane.storage import StorageUnit
+    from knittrans.types import BatchPlan, GroupSpec, Trajectory
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    c = BatchConstraints(batch_size=4, num_minibatches=1, max_response_len=8, group_size=2)
+    host = ray_transport.ControllerHost(TEXT_SCHEMA, {"u0": "n0"}, ray_transport.ControllerConfig(("n0",)), {},
+                                        policy=KnitTransAdmission(c), plane=f"woken-{uuid.uuid4().hex[:8]}")
+    ctrl = host.ctrl
+    host.add_batch(BatchPlan(0, (GroupSpec(0, 0, 2), GroupSpec(1, 0, 2))))
+    durable = ctrl._durable
+    monkeypatch.setattr(ctrl, "_durable", lambda: (time.sleep(0.2), durable())[1])  # a slow write: time to wake
+    got: list = []
+    poller = threading.Thread(target=lambda: got.append(ctrl.poll(0, 0, TEXT_SCHEMA.names, 1, timeout=10.0)))
+    poller.start()
+    deadline = time.monotonic() + 5.0
+    while not ctrl._polls and time.monotonic() < deadline:
+        time.sleep(0.001)
+    payloads = [TrajectoryPayload(t, {"input_ids": np.arange(4, dtype=np.int64), "old_logprobs": np.zeros(2, np.float32),
+                                      "advantages": np.ones(2, np.float32), "loss_mask": np.ones(2, bool)},
+                                  meta=Trajectory(traj_id=t, group_id=t // 2, batch_id=0, num_tokens=2, v_gen=0))
+                for t in range(4)]
+    records = StorageUnit("u0", "n0", TEXT_SCHEMA).put(payloads)
+    with ctrl._cv:  # the admitting call, and then whatever holds the lock after it
+        host.register(records)
+        poller.join(timeout=5.0)
+        returned_under_lock = not poller.is_alive()
+    poller.join(timeout=10.0)
+    assert returned_under_lock
+    assert [(loc.seq, sorted(loc.traj_ids)) for loc in got[0].locs] == [(0, [0, 1, 2, 3])]
+    host.close()
