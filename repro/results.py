@@ -81,6 +81,12 @@ def run_metadata(seed: int | None = None) -> dict[str, Any]:
     meta["packages"] = versions
     meta["cpu"] = platform.processor() or platform.machine()
     meta["cpu_count"] = os.cpu_count()
+    from repro.pagereport import MIN_FREE_MS  # a VM's free page reporting during the run (``repro.pagereport``)
+
+    try:
+        meta["page_reporting_min_free_ms"] = int(MIN_FREE_MS.read_text())
+    except (OSError, ValueError):
+        meta["page_reporting_min_free_ms"] = None
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         meta["gpu"] = torch.cuda.get_device_name(0)

@@ -14,6 +14,10 @@ module; it sets ``TRITON_INTERPRET`` as every entry point would on this machine,
 Triton (``preload``). Tables' timings are taken inside the tables and never include imports, so they are the same
 as when a table runs alone.
 
+While the tables run, a VM's free page reporting is held off (``repro.pagereport``: memory a pass frees and the next
+reallocates is otherwise handed back to the host in between and refaults there, 4-10x slower); every table's results
+record the value they ran with.
+
 ``--times FILE``: append ``table<TAB>seconds`` per table as it ends (wall-clock from fork to exit), then
 ``startup<TAB>seconds`` (the shared imports) and ``total<TAB>seconds`` (the whole run, start-up included); the
 file is started afresh with a header. The first table that fails stops the run with its exit status (the rows so
@@ -32,6 +36,8 @@ import sys
 import time
 import traceback
 from pathlib import Path
+
+from repro.pagereport import page_reporting_held
 
 PRELOAD = ("numpy", "torch", "transformers", "hydra", "omegaconf", "matplotlib", "tqdm")
 
@@ -150,13 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     how = preload()
     startup = time.time() - start
     print(f"repro.runner: {how}; shared imports loaded in {startup:.1f} s", flush=True)
-    for t in a.tables:
-        t0 = time.time()
-        rc = run_table(t)
-        if rc != 0:
-            print(f"repro.runner: {t} failed (exit status {rc}); stopping", file=sys.stderr)
-            return rc
-        log(t, time.time() - t0)
+    with page_reporting_held() as held:  # every table's results record the value they ran with (run_metadata)
+        print(f"repro.runner: {held}", flush=True)
+        for t in a.tables:
+            t0 = time.time()
+            rc = run_table(t)
+            if rc != 0:
+                print(f"repro.runner: {t} failed (exit status {rc}); stopping", file=sys.stderr)
+                return rc
+            log(t, time.time() - t0)
     log("startup", startup)
     log("total", time.time() - start)
     if a.times is not None:
