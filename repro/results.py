@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from repro.pagereport import MIN_FREE_MS
+
 
 @dataclass
 class Claim:
@@ -81,9 +83,7 @@ def run_metadata(seed: int | None = None) -> dict[str, Any]:
     meta["packages"] = versions
     meta["cpu"] = platform.processor() or platform.machine()
     meta["cpu_count"] = os.cpu_count()
-    from repro.pagereport import MIN_FREE_MS  # a VM's free page reporting during the run (``repro.pagereport``)
-
-    try:
+    try:  # a VM's free page reporting during the run (``repro.pagereport``)
         meta["page_reporting_min_free_ms"] = int(MIN_FREE_MS.read_text())
     except (OSError, ValueError):
         meta["page_reporting_min_free_ms"] = None

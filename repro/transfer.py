@@ -155,6 +155,12 @@ ConfigStore.instance().store(group="scale", name="paper", package="_global_", no
 # -- systems and rows ----------------------------------------------------------------------------------------------
 
 
+def layout_of(cfg: TransferConfig) -> BenchLayout:
+    """The table's placement of ranks and units (``BenchLayout``) for ``cfg``: what the table and the scripts that
+    measure its systems alone (``scripts/rawprof.py``, ``ceiling_under_load.py``, ``inproc_ceiling.py``) run on."""
+    return BenchLayout(cfg.num_ranks, cfg.num_units, cfg.lead_steps, cfg.warmup_batches, cfg.prefetch_depth)
+
+
 def passes_of(cfg: TransferConfig) -> TextPasses | MMPasses:
     if Workload(cfg.workload) is Workload.MULTIMODAL:
         return MMPasses(cfg.multimodal, cfg.num_minibatches, cfg.num_units, cfg.seed, pool=cfg.num_batches + 1)
@@ -206,7 +212,7 @@ def measure(cfg: TransferConfig, progress: bool = True) -> tuple[list[TransferTr
     if System.TRANSFERQUEUE in kinds and not tqa.transferqueue_available():
         kinds.remove(System.TRANSFERQUEUE)
         notes.append("transferqueue is not installed (pip install transferqueue): not run, its claim not measured.")
-    layout = BenchLayout(cfg.num_ranks, cfg.num_units, cfg.lead_steps, cfg.warmup_batches, cfg.prefetch_depth)
+    layout = layout_of(cfg)
     layout.check(cfg.num_batches, cfg.num_minibatches)
     src = passes_of(cfg)
     probe = src.make(0, 0)

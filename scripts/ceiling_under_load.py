@@ -42,18 +42,17 @@ def main(rounds: int) -> None:
     import ray
     import torch
 
-    from knittrans.bench import BenchLayout
     from knittrans.bench import ceiling as ceiling_mod
     from knittrans.bench.ceiling import EngineCeilingSystem, RunsSource
     from knittrans.bench.ray_ranks import RaySession
     from knittrans.bench.types import COMPLETION_FIELDS
     from knittrans.dataplane.harness import memcpy_gbps
     from knittrans.dataplane.types import TrajectoryPayload
-    from repro.transfer import TransferConfig, passes_of
+    from repro.transfer import TransferConfig, layout_of, passes_of
 
     torch.set_num_threads(1)
     cfg = TransferConfig(workload="text", systems=["engine-ceiling"])
-    layout = BenchLayout(cfg.num_ranks, cfg.num_units, cfg.lead_steps, cfg.warmup_batches, cfg.prefetch_depth)
+    layout = layout_of(cfg)
     src = passes_of(cfg)
     memcpy = memcpy_gbps()
     real_get = ray.get

@@ -25,17 +25,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def main(rounds: int) -> None:
     import torch
 
-    from knittrans.bench import BenchLayout
     from knittrans.bench.types import COMPLETION_FIELDS
     from knittrans.dataplane import TrajectoryPayload, build_inprocess
     from knittrans.dataplane.harness import memcpy_gbps
     from knittrans.dataplane.types import MiniBatchKey
     from knittrans.handoff import HandoffConfig
-    from repro.transfer import TransferConfig, passes_of
+    from repro.transfer import TransferConfig, layout_of, passes_of
 
     torch.set_num_threads(1)
     cfg = TransferConfig(workload="text", systems=["knittrans-inproc"])
-    layout = BenchLayout(cfg.num_ranks, cfg.num_units, cfg.lead_steps, cfg.warmup_batches, cfg.prefetch_depth)
+    layout = layout_of(cfg)
     src = passes_of(cfg)
     memcpy = memcpy_gbps()
 

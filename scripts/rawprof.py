@@ -27,15 +27,14 @@ def main(names: list[str], rounds: int) -> None:
     import numpy as np
     import torch
 
-    from knittrans.bench import BenchLayout
     from knittrans.bench.ray_ranks import RaySession
     from knittrans.dataplane.harness import memcpy_gbps
-    from repro.transfer import TransferConfig, passes_of
+    from repro.transfer import TransferConfig, layout_of, passes_of
     from repro.transfer_systems import System, make_system
 
     torch.set_num_threads(1)
     cfg = TransferConfig(workload=os.environ.get("RAWPROF_WORKLOAD", "text"), systems=names)
-    layout = BenchLayout(cfg.num_ranks, cfg.num_units, cfg.lead_steps, cfg.warmup_batches, cfg.prefetch_depth)
+    layout = layout_of(cfg)
     src = passes_of(cfg)
     memcpy = memcpy_gbps()
     settle = os.environ.get("RAWPROF_SETTLE", "1") != "0"
