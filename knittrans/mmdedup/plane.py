@@ -616,9 +616,10 @@ class MMClient(DataPlaneClient):
         sizes = [int(b - a) for _, _, a, b in runs.images.tolist()]
         buf = pool.take(sum(aligned(n) for n in sizes)) if pool is not None else np.empty(sum(aligned(n) for n in
                                                                                              sizes), np.uint8)
-        pixels, off = [], 0
+        pixels, off, dst = [], 0, memoryview(buf)
         for (o, c, a, b), k in zip(runs.images.tolist(), runs.image_keys):
-            np.copyto(buf[off:off + b - a], objects[o][c].reshape(-1).view(np.uint8)[a:b])  # the one copy
+            # the one copy, with the GIL held as ``pack_runs`` holds it (``np.copyto`` would drop it per image)
+            dst[off:off + b - a] = memoryview(objects[o][c].reshape(-1).view(np.uint8))[a:b]
             raw = buf[off:off + b - a]
             if self.checksums:
                 verify_image(loc, runs.source_units[o], raw, k)

@@ -265,3 +265,55 @@ def test_copy_rows_matches_numpy_on_any_rows(dtype, tail, lengths, ragged, strid
         return
     copy_rows(rows, out, ragged)
     np.testing.assert_array_equal(out, want)
+
+
+def _no_gil_drops(monkeypatch) -> list:  # noqa: ANN001
+    """Make every call that drops the GIL in a pack raise (torch tensor methods, ``np.copyto``); returns what was
+    called."""
+    called: list = []
+
+    def refuse(name):  # noqa: ANN001, ANN202
+        def call(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            called.append(name)
+            raise AssertionError(f"the pack called {name}, which drops the GIL")
+        return call
+
+    for name in ("view", "reshape", "to", "contiguous"):
+        monkeypatch.setattr(torch.Tensor, name, refuse(f"Tensor.{name}"))
+    monkeypatch.setattr(np, "copyto", refuse("np.copyto"))
+    return called
+
+
+def test_a_share_packed_for_the_cpu_calls_nothing_that_drops_the_gil(monkeypatch):
+    """A pack holds the GIL from its first copy to its last view: every torch tensor method (``view``, ``reshape``,
+    ...) and ``np.copyto`` drop it, and beside a thread running Python each re-acquisition waits out the switch
+    interval (``Tensor.reshape`` ~4 ms, ``Tensor.view`` ~1 ms per call here). The direct pack made its views with
+    them (8 per text share): two rank threads packing in one process then waited on each other at every view
+    (``scripts/inproc_ceiling.py`` both ranks at once 0.31-0.38 of memcpy; numpy views wrapped by
+    ``torch.from_numpy``: 0.59-0.61, docs/experiments.md session 44). Text shares and multimodal ones (fields and
+    each distinct image), read from their sources, with the bytes a plain unit read gives."""
+    from knittrans.dataplane.types import MiniBatchKey
+    from knittrans.mmdedup.plane import build_mm_inprocess
+    from test_mmdedup_plane import _groups, _minibatches, _put_all
+
+    dp, batch = _loaded(PrepareConfig())
+    plain, _ = _loaded(PrepareConfig(direct_reads=False))
+    mb = batch.minibatches(2)[0]
+    for p in (dp, plain):
+        p.client().admit(mb)
+    want = _bytes(plain.client().fetch(mb, 0))
+    assert dp.controller.claim(MiniBatchKey(mb.batch_id, mb.index), 1, TEXT_SCHEMA.names).runs is not None
+    groups = _groups(seed=3)
+    mm = build_mm_inprocess({"u0": "n0", "u1": "n1"}, ("n0", "n1"))
+    _put_all(mm, groups)
+    mmb = _minibatches(groups, 2)[0]
+    mm.controller.admit(mmb)
+    called = _no_gil_drops(monkeypatch)
+    got = _bytes(dp.client().fetch(mb, 0))
+    share = mm.client().fetch(mmb, 0)
+    monkeypatch.undo()
+    assert called == []
+    assert got.keys() == want.keys()
+    for k in want:
+        assert np.array_equal(got[k][0], want[k][0]) and np.array_equal(got[k][1], want[k][1]), k
+    assert share.images.pixels and share.pixel_nbytes > 0
