@@ -63,13 +63,27 @@ class ImageKey:
 
     @property
     def nbytes(self) -> int:
-        n = 1
+        n = _itemsize(self.dtype)
         for d in self.shape:
             n *= d
-        return n * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return n
 
     def __str__(self) -> str:
         return f"{self.digest.hex()[:12]}:{self.dtype}{list(self.shape)}@{list(self.grid)}"
+
+
+_ITEMSIZE: dict[str, int] = {}
+
+
+def _itemsize(dtype: str) -> int:
+    """Bytes per element of torch dtype ``dtype`` ("float32", "bfloat16", ...), asked of torch once per dtype per
+    process. The controller asks per distinct image of every multimodal claim (``plane.image_sources``), on one of
+    its threaded actor's threads: a torch call there drops the GIL, and with another of its threads in Python (a
+    registration, an admission) each re-acquisition waits out the 5 ms switch interval."""
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        size = _ITEMSIZE[dtype] = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return size
 
 
 def strong_digest(t: torch.Tensor) -> bytes:

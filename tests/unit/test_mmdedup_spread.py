@@ -173,3 +173,29 @@ def test_the_encoding_plane_reads_a_copy_held_by_two_units_once():
     assert f.nbytes == 3 * img.numel() * 4 and f.occurrence_nbytes == 4 * img.numel() * 4
     assert torch.equal(f.images.pixels[f.image_ids[2][0]], other)
     assert f.images.grids[f.image_ids[3][0]] == (1, 2, 8)
+
+
+def test_a_multimodal_claim_makes_no_torch_call_at_the_controller(monkeypatch):
+    """The controller weighs each distinct image of a claim by its bytes (``image_sources``); a torch call there
+    drops the GIL, and on the controller actor's threads, beside a registration or an admission running Python,
+    each re-acquisition waits out the 5 ms switch interval (``ImageKey.nbytes`` made one per image per claim).
+    The element size is asked of torch once per dtype; after that a claim calls no torch at all."""
+    k = ImageKey(b"3" * 16, "bfloat16", (7, 5), (1, 1, 1))
+    assert k.nbytes == 70  # primes bfloat16 (float32 is primed by the plane's put below, or here)
+    assert ImageKey(b"4" * 16, "float32", (2, 3), (1, 1, 1)).nbytes == 24
+    dp = build_mm_inprocess({"u0": "n0", "u1": "n1"}, ("n1",))
+    img = torch.randn(16, 1176)
+    f = {"input_ids": np.arange(6), "old_logprobs": np.zeros(2, np.float32), "advantages": np.ones(2, np.float32),
+         "loss_mask": np.ones(2, bool)}
+    for t in range(4):
+        dp.client(f"u{t % 2}").put([MMPayload(t, f, group=0, encodings=(img,), grids=((1, 4, 4),))])
+    dp.controller.admit(MiniBatch(0, 0, (0, 1, 2, 3), (0,), 24))
+    from knittrans.dataplane.types import MiniBatchKey
+
+    def no_torch(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("a torch call at the controller")
+
+    monkeypatch.setattr(torch, "empty", no_torch)
+    loc = dp.controller.claim(MiniBatchKey(0, 0), 0, ("input_ids", "image_index"))
+    assert {u: len(ks) for u, ks in loc.image_sources} == {"u0": 0, "u1": 1}
+    assert ImageKey(b"5" * 16, "bfloat16", (4,), (1, 1, 1)).nbytes == 8
