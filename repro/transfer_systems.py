@@ -27,12 +27,13 @@ class System(str, Enum):
 
 
 MM_SYSTEMS = (System.CENTRALIZED, System.VERL, System.TRANSFERQUEUE, System.KNITTRANS_RAY,
-              System.KNITTRANS_RAY_NOPREFETCH, System.KNITTRANS_INPROC)
-"""padmax is the text table's variant. TransferQueue moves per-trajectory fields with each sample's own images."""
+              System.KNITTRANS_RAY_NOPREFETCH, System.KNITTRANS_INPROC, System.ENGINE_CEILING)
+"""padmax is the text table's variant. TransferQueue moves per-trajectory fields with each sample's own images. The
+engine ceiling reads each share's fields and distinct images (the multimodal units' objects) with one pack: the
+least raw pass a design reading through Ray can have (``mm_ceiling_transfer_ratio``)."""
 TEXT_SYSTEMS = tuple(System)
-"""Every system. The engine ceiling is text's: multimodal shares are read through their units. (``verl-mm``, our
-re-implementation of verl's multimodal step, ran until session 33: it measured nothing verl's own code does not;
-docs/experiments.md has both side by side.)"""
+"""Every system. (``verl-mm``, our re-implementation of verl's multimodal step, ran until session 33: it measured
+nothing verl's own code does not; docs/experiments.md has both side by side.)"""
 
 
 def make_system(kind: System, cfg, layout: BenchLayout, session) -> TransferSystem:  # noqa: ANN001
@@ -47,7 +48,7 @@ def make_system(kind: System, cfg, layout: BenchLayout, session) -> TransferSyst
     if kind is System.ENGINE_CEILING:
         from knittrans.bench.ceiling import EngineCeilingSystem
 
-        return EngineCeilingSystem(kind.value, layout, session)
+        return EngineCeilingSystem(kind.value, layout, session, multimodal=mm)
     if kind is System.VERL:  # verl's agent loop pads to rollout.prompt_length / response_length (text's maxima)
         conf = VerlConfig() if mm else VerlConfig(cfg.text.max_prompt_len, cfg.text.max_response_len)
         return VerlSystem(kind.value, layout, session, conf, CentralOverlap(cfg.central_overlap))

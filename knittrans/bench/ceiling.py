@@ -11,6 +11,11 @@ leaves on the table (``repro.spec.transfer``: ``ray_fraction_of_ceiling``).
 The raw pass: before t0 every field is put and every mini-batch admitted and claimed (untimed); at t0 each rank
 actor gets its shares' runs as a call argument and reads them one after another (``RunsSource``). Its steady pass
 is empty (nothing to hide behind: the ceiling is a raw-pass number).
+
+Multimodal (``multimodal=True``): the same on KnitTrans's multimodal units and controller (``build_mm_ray``): a
+share's runs are its fields' and its distinct images' (``MMShareRuns``), packed by the multimodal client's own
+``_pack_runs`` (each distinct image copied once). Its raw pass is the least time any design that reads each share
+through Ray and packs it once can take for the table's batch: the bound of a raw-transfer ratio against it.
 """
 
 from __future__ import annotations
@@ -39,17 +44,16 @@ class RunsSource:
         self._client._sources.retiring = True  # every source stays mapped for the pass (nothing retires it)
 
     def obtain(self, step: int) -> Obtained:
-        from knittrans.dataplane.client import pack_runs
-
         loc, c = self.locs[step], self._client
         t1 = time.perf_counter()
         objects = c._resolve(loc.runs, c.getter, (loc.key, loc.rank))
         t2, c2 = time.perf_counter(), time.thread_time()
-        share = pack_runs(loc, objects, c.schema, c.prepare, c.pack_pool())
+        share = c._pack_runs(loc, objects)  # ``client.pack_runs`` (multimodal: and each distinct image once)
         t3, c3 = time.perf_counter(), time.thread_time()
         del objects
         self._held[step] = share
-        return Obtained(share.nbytes, share.num_tokens, t3 - t1, parts=(0.0, t2 - t1, t3 - t2, c3 - c2))
+        return Obtained(share.nbytes, share.num_tokens, t3 - t1, parts=(0.0, t2 - t1, t3 - t2, c3 - c2),
+                        pixel_nbytes=getattr(share, "pixel_nbytes", 0))
 
     def release(self, step: int) -> None:
         self._held.pop(step, None)
@@ -64,8 +68,8 @@ class EngineCeilingSystem:
     """``TransferSystem`` of the engine ceiling (see the module docstring); raw passes only (``run_steady``
     raises: the ceiling has no rollout clock to hide behind)."""
 
-    def __init__(self, name: str, layout: BenchLayout, session) -> None:  # noqa: ANN001 - a RaySession
-        self.name, self.layout, self.session = name, layout, session
+    def __init__(self, name: str, layout: BenchLayout, session, multimodal: bool = False) -> None:  # noqa: ANN001
+        self.name, self.layout, self.session, self.multimodal = name, layout, session, multimodal
         self._plane = None
 
     def _dp(self, d: PassData):  # noqa: ANN202 - the RayDataPlane, built on first use
@@ -73,10 +77,16 @@ class EngineCeilingSystem:
             from knittrans.dataplane.ray_transport import build_ray
             from knittrans.handoff import HandoffConfig
 
-            schema = HandoffConfig.grpo(len(d.plan.groups), d.group_size, d.num_minibatches,
-                                        d.max_response_len).resolved_schema
-            self._plane = build_ray(schema, dict(self.layout.unit_nodes), self.layout.rank_nodes,
-                                    controller_restarts=0)
+            schema = HandoffConfig.grpo(len(d.plan.groups), d.group_size, d.num_minibatches, d.max_response_len,
+                                        multimodal=self.multimodal).resolved_schema
+            if self.multimodal:
+                from knittrans.mmdedup.plane_ray import build_mm_ray
+
+                self._plane = build_mm_ray(dict(self.layout.unit_nodes), self.layout.rank_nodes, schema,
+                                           controller_restarts=0)
+            else:
+                self._plane = build_ray(schema, dict(self.layout.unit_nodes), self.layout.rank_nodes,
+                                        controller_restarts=0)
         return self._plane
 
     def run_steady(self, batches, iters_per_token: float) -> PassResult:  # noqa: ANN001
@@ -94,8 +104,7 @@ class EngineCeilingSystem:
         for r in batch.rollouts:
             by_unit.setdefault(self.layout.unit(batch.producer_of[r.traj.traj_id]), []).append(r)
         for unit, rs in by_unit.items():  # as KnitTrans's units get them: the streamed fields, then completion's
-            dp.client(unit).put([TrajectoryPayload(r.traj.traj_id, {k: v for k, v in r.tensors.items()
-                                                                     if k not in COMPLETION_FIELDS}) for r in rs])
+            dp.client(unit).put([self._streamed(r) for r in rs])
             dp.client(unit).put([TrajectoryPayload(r.traj.traj_id, {k: r.tensors[k] for k in COMPLETION_FIELDS})
                                  for r in rs])
         ctrl, fields = dp.controller, dp.schema.names
@@ -116,6 +125,16 @@ class EngineCeilingSystem:
                 ctrl.ack(loc.key, loc.rank, loc.fields)
         dp.wait_drained(timeout=600)
         return res
+
+    def _streamed(self, r) -> TrajectoryPayload:  # noqa: ANN001 - a bench Rollout
+        """What a rollout engine writes while it generates (``KnitTransSystem.stream``): every field but the
+        completion fields, and a multimodal prompt's images."""
+        fields = {k: v for k, v in r.tensors.items() if k not in COMPLETION_FIELDS}
+        if not self.multimodal:
+            return TrajectoryPayload(r.traj.traj_id, fields)
+        from knittrans.mmdedup.plane import MMPayload
+
+        return MMPayload(r.traj.traj_id, fields, group=r.traj.group_id, encodings=r.images, grids=r.grids)
 
     def close(self) -> None:
         if self._plane is not None:

@@ -249,6 +249,14 @@ CLAIMS: tuple[Claim, ...] = (
           "224px dedup on and off overlapped outright (docs/experiments.md, session 22)",
           ratio("centralized", "knittrans-ray", "raw_s"), bound=Bound(">=", 50.0), gate=Bound(">=", 1.0),
           comparison=SAME_LAYOUT, paper_claim=3),
+    Claim("mm_ceiling_transfer_ratio", MM, ClaimKind.MEASUREMENT, "(context: the bound of claim 3 on this "
+          "machine)", "x", RAW.format(num="centralized", den=CEILING_SYSTEM + " (the same units' objects, every "
+                                      "mini-batch admitted and claimed before t0; at t0 each rank gets its shares' "
+                                      "refs and reads and packs them: each share's fields and distinct images once, "
+                                      "no control path at all)") + "; median over K passes, [min, max]: the most "
+          "mm_transfer_latency_ratio can read for this batch on this machine for a design that reads each share "
+          "through Ray and packs it once (knittrans-ray's raw pass adds the completing puts, admission and claims)",
+          ratio("centralized", CEILING_SYSTEM, "raw_s"), comparison=SAME_LAYOUT),
     Claim("mm_exposed_latency_ratio", MM, ClaimKind.MEASUREMENT, "(context: claim 3 is decided on raw transfer)",
           "x", EXPOSED.format(num="centralized (build-ahead)", den="knittrans-ray (prefetch)") + ". Not the paper's "
           "claim: its denominator is KnitTrans's hand-over once prefetch has hidden the transfer behind the "

@@ -1,0 +1,39 @@
+"""The engine ceiling (``knittrans.bench.ceiling``) on the multimodal workload: the same units' objects read with
+no control path, each share's fields and distinct images packed once -- the bound ``mm_ceiling_transfer_ratio``
+reads. It must move exactly the bytes knittrans-ray moves for the same batch (nothing skipped, no image twice), or
+the bound would be a bound of something else."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("ray")
+
+from knittrans.bench import BenchLayout  # noqa: E402
+from knittrans.bench.ray_ranks import RaySession  # noqa: E402
+from repro.transfer import TransferConfig, passes_of  # noqa: E402
+from repro.transfer_systems import MM_SYSTEMS, System, make_system  # noqa: E402
+from workloads.multimodal_data import MMTransferWorkload  # noqa: E402
+
+
+@pytest.mark.ray
+def test_the_multimodal_ceiling_moves_exactly_the_bytes_knittrans_moves():
+    assert System.ENGINE_CEILING in MM_SYSTEMS
+    cfg = TransferConfig(workload="multimodal", num_minibatches=2,
+                         multimodal=MMTransferWorkload(prompts_per_batch=8, group_size=4, image_side=112))
+    layout = BenchLayout(cfg.num_ranks, cfg.num_units, cfg.lead_steps, cfg.warmup_batches, cfg.prefetch_depth)
+    src = passes_of(cfg)
+    with RaySession(cfg.num_ranks, cfg.ray_num_cpus) as session:
+        ceiling = make_system(System.ENGINE_CEILING, cfg, layout, session)
+        knit = make_system(System.KNITTRANS_RAY, cfg, layout, session)
+        try:
+            d = src.make(0, 0)
+            top = ceiling.run_raw(d)
+            ours = knit.run_raw(src.make(0, 0))
+        finally:
+            ceiling.close()
+            knit.close()
+    assert top.raw_s > 0 and len(top.get_s) == cfg.num_ranks * cfg.num_minibatches
+    assert top.pixel_nbytes > 0 and top.pixel_nbytes == ours.pixel_nbytes  # each distinct image once per share
+    assert top.bytes_moved == ours.bytes_moved
+    assert top.pixel_nbytes < sum(im.nbytes for r in d.rollouts for im in r.images)  # not once per sample
