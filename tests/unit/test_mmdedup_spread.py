@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from knittrans.dataplane.types import MiniBatchKey
 from knittrans.mmdedup.keys import ImageKey
 from knittrans.mmdedup.plane import MMPayload, MMShareLocation, build_mm_inprocess, image_sources
 from knittrans.types import MiniBatch
@@ -135,6 +136,19 @@ def test_a_forced_fast_hash_collision_across_units_never_aliases():
     assert len(px) == 2
 
 
+def _one_image_admitted():
+    """A plane (units on n0 and n1, its rank on n1) holding four samples of one image, two on each unit, admitted
+    as one mini-batch."""
+    dp = build_mm_inprocess({"u0": "n0", "u1": "n1"}, ("n1",))
+    img = torch.randn(16, 1176)
+    f = {"input_ids": np.arange(6), "old_logprobs": np.zeros(2, np.float32), "advantages": np.ones(2, np.float32),
+         "loss_mask": np.ones(2, bool)}
+    for t in range(4):
+        dp.client(f"u{t % 2}").put([MMPayload(t, f, group=0, encodings=(img,), grids=((1, 4, 4),))])
+    dp.controller.admit(MiniBatch(0, 0, (0, 1, 2, 3), (0,), 24))
+    return dp
+
+
 def test_the_claim_names_one_unit_per_image_local_first():
     k1 = ImageKey(b"1" * 16, "float32", (16, 1176), (1, 4, 4))
     k2 = ImageKey(b"2" * 16, "float32", (16, 1176), (1, 4, 4))
@@ -143,14 +157,7 @@ def test_the_claim_names_one_unit_per_image_local_first():
     assert src == {"u0": (), "u1": (k1, k2)}  # the rank's node holds both: nothing crosses the network
     src = dict(image_sources(["u0", "u1", "u0", "u1"], [[k1], [k1], [k2], [k2]], "n9", nodes))
     assert sorted(len(v) for v in src.values()) == [1, 1]  # remote holders share the load
-    dp = build_mm_inprocess({"u0": "n0", "u1": "n1"}, ("n1",))
-    img = torch.randn(16, 1176)
-    f = {"input_ids": np.arange(6), "old_logprobs": np.zeros(2, np.float32), "advantages": np.ones(2, np.float32),
-         "loss_mask": np.ones(2, bool)}
-    for t in range(4):
-        dp.client(f"u{t % 2}").put([MMPayload(t, f, group=0, encodings=(img,), grids=((1, 4, 4),))])
-    dp.controller.admit(MiniBatch(0, 0, (0, 1, 2, 3), (0,), 24))
-    from knittrans.dataplane.types import MiniBatchKey
+    dp = _one_image_admitted()
 
     loc = dp.controller.claim(MiniBatchKey(0, 0), 0, ("input_ids", "image_index"))
     assert isinstance(loc, MMShareLocation)
@@ -183,14 +190,7 @@ def test_a_multimodal_claim_makes_no_torch_call_at_the_controller(monkeypatch):
     k = ImageKey(b"3" * 16, "bfloat16", (7, 5), (1, 1, 1))
     assert k.nbytes == 70  # primes bfloat16 (float32 is primed by the plane's put below, or here)
     assert ImageKey(b"4" * 16, "float32", (2, 3), (1, 1, 1)).nbytes == 24
-    dp = build_mm_inprocess({"u0": "n0", "u1": "n1"}, ("n1",))
-    img = torch.randn(16, 1176)
-    f = {"input_ids": np.arange(6), "old_logprobs": np.zeros(2, np.float32), "advantages": np.ones(2, np.float32),
-         "loss_mask": np.ones(2, bool)}
-    for t in range(4):
-        dp.client(f"u{t % 2}").put([MMPayload(t, f, group=0, encodings=(img,), grids=((1, 4, 4),))])
-    dp.controller.admit(MiniBatch(0, 0, (0, 1, 2, 3), (0,), 24))
-    from knittrans.dataplane.types import MiniBatchKey
+    dp = _one_image_admitted()
 
     def no_torch(*a, **kw):  # noqa: ANN002, ANN003, ANN202
         raise AssertionError("a torch call at the controller")
