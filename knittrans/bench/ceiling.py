@@ -23,7 +23,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from knittrans.bench.types import COMPLETION_FIELDS, BenchLayout, Obtained, PassData, PassKind, PassResult
+from knittrans.bench.types import (COMPLETION_FIELDS, BenchLayout, Obtained, PassData, PassKind, PassResult,
+                                   streamed_payload)
 from knittrans.dataplane.types import MiniBatchKey, ShareLocation, TrajectoryPayload
 
 
@@ -104,7 +105,7 @@ class EngineCeilingSystem:
         for r in batch.rollouts:
             by_unit.setdefault(self.layout.unit(batch.producer_of[r.traj.traj_id]), []).append(r)
         for unit, rs in by_unit.items():  # as KnitTrans's units get them: the streamed fields, then completion's
-            dp.client(unit).put([self._streamed(r) for r in rs])
+            dp.client(unit).put([streamed_payload(r, self.multimodal) for r in rs])
             dp.client(unit).put([TrajectoryPayload(r.traj.traj_id, {k: r.tensors[k] for k in COMPLETION_FIELDS})
                                  for r in rs])
         ctrl, fields = dp.controller, dp.schema.names
@@ -125,16 +126,6 @@ class EngineCeilingSystem:
                 ctrl.ack(loc.key, loc.rank, loc.fields)
         dp.wait_drained(timeout=600)
         return res
-
-    def _streamed(self, r) -> TrajectoryPayload:  # noqa: ANN001 - a bench Rollout
-        """What a rollout engine writes while it generates (``KnitTransSystem.stream``): every field but the
-        completion fields, and a multimodal prompt's images."""
-        fields = {k: v for k, v in r.tensors.items() if k not in COMPLETION_FIELDS}
-        if not self.multimodal:
-            return TrajectoryPayload(r.traj.traj_id, fields)
-        from knittrans.mmdedup.plane import MMPayload
-
-        return MMPayload(r.traj.traj_id, fields, group=r.traj.group_id, encodings=r.images, grids=r.grids)
 
     def close(self) -> None:
         if self._plane is not None:

@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from knittrans.bench.loop import Notify, completion_times, finish_raw, finish_steady, rank_loop
-from knittrans.bench.types import COMPLETION_FIELDS, BenchLayout, Obtained, PassData, PassKind, PassResult
+from knittrans.bench.types import (COMPLETION_FIELDS, BenchLayout, Obtained, PassData, PassKind, PassResult,
+                                   streamed_payload)
 from knittrans.dataplane.harness import RankTrace, Signals
 from knittrans.dataplane import trace
 from knittrans.dataplane.trace import CpuEvent, FlowEvent
-from knittrans.dataplane.types import PackedShare, TrajectoryPayload
+from knittrans.dataplane.types import PackedShare
 from knittrans.handoff import Consumer, Handoff, HandoffConfig, Rollout, Transport
 
 ADMIT_TIMEOUT_S = 600.0
@@ -163,16 +164,8 @@ class KnitTransSystem:
     def stream(self, h: Handoff, d: PassData) -> None:
         """What the rollout engines write while they generate (before t0): every field but the completion
         fields, and a multimodal prompt's images; no metadata yet, so nothing is complete or admitted."""
-        from knittrans.mmdedup.plane import MMPayload
-
         for unit, rs in self._by_unit(d).items():
-            payloads = []
-            for r in rs:
-                fields = {k: v for k, v in r.tensors.items() if k not in COMPLETION_FIELDS}
-                payloads.append(MMPayload(r.traj.traj_id, fields, group=r.traj.group_id, encodings=r.images,
-                                          grids=r.grids) if self.multimodal
-                                else TrajectoryPayload(r.traj.traj_id, fields))
-            h.plane.client(unit).put(payloads)
+            h.plane.client(unit).put([streamed_payload(r, self.multimodal) for r in rs])
 
     def complete(self, h: Handoff, d: PassData) -> None:
         """At t0: each producer puts its trajectories' completion fields with their metadata, all at once (they

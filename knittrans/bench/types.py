@@ -28,6 +28,17 @@ COMPLETION_FIELDS = ("advantages",)
 """Fields that exist only once the trajectory's group is complete (advantages need every sample's reward)."""
 
 
+def streamed_payload(r: Rollout, multimodal: bool) -> TrajectoryPayload:
+    """What a rollout engine writes while it generates, before its trajectory completes: every field but the
+    completion fields, and a multimodal prompt's images."""
+    fields = {k: v for k, v in r.tensors.items() if k not in COMPLETION_FIELDS}
+    if not multimodal:
+        return TrajectoryPayload(r.traj.traj_id, fields)
+    from knittrans.mmdedup.plane import MMPayload
+
+    return MMPayload(r.traj.traj_id, fields, group=r.traj.group_id, encodings=r.images, grids=r.grids)
+
+
 @dataclass(frozen=True)
 class ClusterPlacement:
     """Where the pieces run on a multi-node Ray cluster, as Ray node ids (``knittrans.bench.cluster``): the
