@@ -24,6 +24,8 @@ class System(str, Enum):
     """knittrans-ray whose raw pass is a drain: everything put and admitted before t0, ranks ack, no compute."""
     ENGINE_CEILING = "engine-ceiling"
     """Ray's own ceiling for KnitTrans's read path on the same objects (``knittrans.bench.ceiling``); raw only."""
+    INPROC_CEILING = "inproc-ceiling"
+    """The same in process: knittrans-inproc's ceiling, its ranks as threads copying the same shares; raw only."""
 
 
 MM_SYSTEMS = (System.CENTRALIZED, System.VERL, System.TRANSFERQUEUE, System.KNITTRANS_RAY,
@@ -32,7 +34,7 @@ MM_SYSTEMS = (System.CENTRALIZED, System.VERL, System.TRANSFERQUEUE, System.KNIT
 engine ceiling reads each share's fields and distinct images (the multimodal units' objects) with one pack: the
 least raw pass a design reading through Ray can have (``mm_ceiling_transfer_ratio``)."""
 TEXT_SYSTEMS = tuple(System)
-"""Every system. (``verl-mm``, our re-implementation of verl's multimodal step, ran until session 33: it measured
+"""Every system (the in-process ceiling is the text table's: the in-process claim is a text claim). (``verl-mm``, our re-implementation of verl's multimodal step, ran until session 33: it measured
 nothing verl's own code does not; docs/experiments.md has both side by side.)"""
 
 
@@ -45,10 +47,11 @@ def make_system(kind: System, cfg, layout: BenchLayout, session) -> TransferSyst
         conf = CentralizedConfig(pad_to=pad, max_prompt_len=cfg.text.max_prompt_len,
                                  max_response_len=cfg.text.max_response_len)
         return CentralizedSystem(kind.value, layout, session, conf, CentralOverlap(cfg.central_overlap))
-    if kind is System.ENGINE_CEILING:
+    if kind in (System.ENGINE_CEILING, System.INPROC_CEILING):
         from knittrans.bench.ceiling import EngineCeilingSystem
 
-        return EngineCeilingSystem(kind.value, layout, session, multimodal=mm)
+        return EngineCeilingSystem(kind.value, layout, session, multimodal=mm,
+                                   in_process=kind is System.INPROC_CEILING)
     if kind is System.VERL:  # verl's agent loop pads to rollout.prompt_length / response_length (text's maxima)
         conf = VerlConfig() if mm else VerlConfig(cfg.text.max_prompt_len, cfg.text.max_response_len)
         return VerlSystem(kind.value, layout, session, conf, CentralOverlap(cfg.central_overlap))

@@ -16,10 +16,17 @@ Multimodal (``multimodal=True``): the same on KnitTrans's multimodal units and c
 share's runs are its fields' and its distinct images' (``MMShareRuns``), packed by the multimodal client's own
 ``_pack_runs`` (each distinct image copied once). Its raw pass is the least time any design that reads each share
 through Ray and packs it once can take for the table's batch: the bound of a raw-transfer ratio against it.
+
+In process (``in_process=True``: ``inproc-ceiling``): the same on an in-process plane (``build_inprocess``, the
+units' arrays as the sources), the ranks as threads of the driver's process started together at t0, as
+knittrans-inproc's ranks are: what this machine allows knittrans-inproc's gets (two threads of one process
+copying the same shares at once) with no puts, no admission, no prefetcher and no feed beside them
+(``inproc_ceiling_fraction_of_memcpy``).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -31,12 +38,12 @@ from knittrans.dataplane.types import MiniBatchKey, ShareLocation, TrajectoryPay
 @dataclass
 class RunsSource:
     """A rank's shares as runs handed over by the driver (``StepSource``): step i maps those of share i's sources not
-    mapped yet with one ``ray.get`` (each source once per pass, as a KnitTrans rank keeps what it mapped until the
+    mapped yet with one ``ray.get`` (in process: the units' arrays themselves; each source once per pass, as a KnitTrans rank keeps what it mapped until the
     source retires: ``client.SourceCache``) and packs its runs, timed as a KnitTrans get is (claim 0, read, pack,
     pack CPU)."""
 
     locs: tuple[ShareLocation, ...]
-    plane: object  # the RayDataPlane whose client packs (its schema and prepare options)
+    plane: object  # the data plane whose client packs (its schema and prepare options)
     _client: object = field(default=None, repr=False)
     _held: dict = field(default_factory=dict, repr=False)
 
@@ -69,25 +76,37 @@ class EngineCeilingSystem:
     """``TransferSystem`` of the engine ceiling (see the module docstring); raw passes only (``run_steady``
     raises: the ceiling has no rollout clock to hide behind)."""
 
-    def __init__(self, name: str, layout: BenchLayout, session, multimodal: bool = False) -> None:  # noqa: ANN001
+    def __init__(self, name: str, layout: BenchLayout, session, multimodal: bool = False,  # noqa: ANN001
+                 in_process: bool = False) -> None:
         self.name, self.layout, self.session, self.multimodal = name, layout, session, multimodal
+        self.in_process = in_process
+        """Ranks as threads of this process reading an in-process plane (``inproc-ceiling``), not rank actors
+        reading a Ray plane's objects."""
         self._plane = None
 
-    def _dp(self, d: PassData):  # noqa: ANN202 - the RayDataPlane, built on first use
+    def _dp(self, d: PassData):  # noqa: ANN202 - the data plane, built on first use
         if self._plane is None:
-            from knittrans.dataplane.ray_transport import build_ray
             from knittrans.handoff import HandoffConfig
 
             schema = HandoffConfig.grpo(len(d.plan.groups), d.group_size, d.num_minibatches, d.max_response_len,
                                         multimodal=self.multimodal).resolved_schema
-            if self.multimodal:
+            units, ranks = dict(self.layout.unit_nodes), self.layout.rank_nodes
+            if self.in_process and self.multimodal:
+                from knittrans.mmdedup.plane import build_mm_inprocess
+
+                self._plane = build_mm_inprocess(units, ranks, schema)
+            elif self.in_process:
+                from knittrans.dataplane.inprocess import build_inprocess
+
+                self._plane = build_inprocess(schema, units, ranks)
+            elif self.multimodal:
                 from knittrans.mmdedup.plane_ray import build_mm_ray
 
-                self._plane = build_mm_ray(dict(self.layout.unit_nodes), self.layout.rank_nodes, schema,
-                                           controller_restarts=0)
+                self._plane = build_mm_ray(units, ranks, schema, controller_restarts=0)
             else:
-                self._plane = build_ray(schema, dict(self.layout.unit_nodes), self.layout.rank_nodes,
-                                        controller_restarts=0)
+                from knittrans.dataplane.ray_transport import build_ray
+
+                self._plane = build_ray(schema, units, ranks, controller_restarts=0)
         return self._plane
 
     def run_steady(self, batches, iters_per_token: float) -> PassResult:  # noqa: ANN001
@@ -95,10 +114,7 @@ class EngineCeilingSystem:
         return PassResult(PassKind.STEADY)
 
     def run_raw(self, batch: PassData) -> PassResult:
-        import ray
-
         from knittrans.bench.loop import finish_raw
-        from knittrans.bench.ray_ranks import RankRun
 
         dp = self._dp(batch)
         by_unit: dict[str, list] = {}
@@ -118,14 +134,50 @@ class EngineCeilingSystem:
             raise RuntimeError(f"{self.name}: some share has no direct runs (a put below the object threshold?)")
         m = len(batch.minibatches)
         sources = [RunsSource(tuple(ls), dp) for ls in locs]
-        t0 = time.perf_counter()
-        traces = ray.get([rk.run.remote(src, RankRun(1, m, 0.0)) for rk, src in zip(self.session.ranks, sources)])
+        traces, t0 = self._threads(sources, m) if self.in_process else self._actors(sources, m)
         res = finish_raw(traces, t0)
         for ls in locs:  # consumed: release the batch so the units drop it
             for loc in ls:
                 ctrl.ack(loc.key, loc.rank, loc.fields)
         dp.wait_drained(timeout=600)
         return res
+
+    def _actors(self, sources: list[RunsSource], m: int) -> tuple[list, float]:
+        """Each rank actor reads its shares (the runs travel as the call's argument); t0 as the calls go out."""
+        import ray
+
+        from knittrans.bench.ray_ranks import RankRun
+
+        t0 = time.perf_counter()
+        return ray.get([rk.run.remote(src, RankRun(1, m, 0.0)) for rk, src in zip(self.session.ranks, sources)]), t0
+
+    @staticmethod
+    def _threads(sources: list[RunsSource], m: int) -> tuple[list, float]:
+        """One thread per rank, started and waiting before t0, released together at t0 (knittrans-inproc's
+        ranks, ``KnitTransSystem._threads``)."""
+        from knittrans.bench.loop import rank_loop
+
+        traces: list = [None] * len(sources)
+        errors: list[BaseException] = []
+        go = threading.Barrier(len(sources) + 1)
+
+        def rank(r: int) -> None:
+            go.wait()
+            try:
+                traces[r] = rank_loop(r, sources[r], 1, m, 0.0)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors.append(e)
+
+        threads = [threading.Thread(target=rank, args=(r,), name=f"ceiling-rank{r}") for r in range(len(sources))]
+        for th in threads:
+            th.start()
+        go.wait()
+        t0 = time.perf_counter()
+        for th in threads:
+            th.join()
+        if errors:
+            raise RuntimeError("inproc-ceiling: a rank thread failed") from errors[0]
+        return traces, t0
 
     def close(self) -> None:
         if self._plane is not None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from repro.spec.core import Bound, Claim, ClaimKind, Trial, naming_verl, trial
 from repro.spec.transfer_measures import (  # noqa: F401 - the measures the claims below use, and re-exported
-    CEILING_SYSTEM, FLOOR_S, TINY_S, _num, _pairs, bytes_ratio,
+    CEILING_SYSTEM, FLOOR_S, INPROC_CEILING_SYSTEM, TINY_S, _num, _pairs, bytes_ratio,
     ceiling_fraction, exposed_fraction, exposed_ms, get_latency_ratio, get_profile, live_bytes_after,
     memcpy_fraction, pixel_ratio_over_n, rate_ratio, ratio, tq_get_ratio)
 
@@ -214,9 +214,20 @@ CLAIMS: tuple[Claim, ...] = (
     Claim("ceiling_fraction_of_memcpy", T, ClaimKind.MEASUREMENT, "(context)", "x memcpy",
           MEMCPY_FRACTION.format(system=CEILING_SYSTEM + " (refs handed over, one ray.get, one pack)"),
           memcpy_fraction(CEILING_SYSTEM, "get_gbps")),
+    Claim("inproc_ceiling_fraction_of_memcpy", T, ClaimKind.MEASUREMENT, "(context: the bound of "
+          "inproc_fraction_of_memcpy)", "x memcpy",
+          MEMCPY_FRACTION.format(system=INPROC_CEILING_SYSTEM + " (knittrans-inproc's ceiling: every share admitted "
+                                 "and claimed before t0, then both ranks as threads of one process, each resolving "
+                                 "and packing its shares with the same client code, no puts, admission, prefetcher "
+                                 "or feed beside them)"),
+          memcpy_fraction(INPROC_CEILING_SYSTEM, "get_gbps")),
     Claim("inproc_fraction_of_ceiling", T, ClaimKind.MEASUREMENT, "(context)", "x ceiling",
-          CEILING.format(system="knittrans-inproc (threads of one process: a different layout)"),
-          ceiling_fraction("knittrans-inproc")),
+          "per pass, the data-plane get bandwidth of knittrans-inproc (as in inproc_fraction_of_memcpy) / the "
+          "in-process ceiling's (" + INPROC_CEILING_SYSTEM + ", inproc_ceiling_fraction_of_memcpy) in the same pass: "
+          "what the handoff's control path and the puts completing beside the reads cost an in-process rank; median "
+          "over K passes, [min, max]; range [0, ~1] (Ray's engine ceiling, a different layout, was the denominator "
+          "until session 45)",
+          ceiling_fraction("knittrans-inproc", INPROC_CEILING_SYSTEM)),
     Claim("tq_fraction_of_ceiling", T, ClaimKind.MEASUREMENT, "(context)", "x ceiling",
           CEILING.format(system="transferqueue (one kv_batch_get per share)"), ceiling_fraction("transferqueue")),
     Claim("drain_fraction_of_memcpy", T, ClaimKind.TARGET, "(issue 25) >= 0.2 of memcpy per rank", "x memcpy",

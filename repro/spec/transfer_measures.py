@@ -17,6 +17,8 @@ TINY_S = 0.02
 """A denominator under 20 ms per batch is called tiny in the claim's note: a few ms of noise move the ratio."""
 CEILING_SYSTEM = "engine-ceiling"
 """The engine's own ceiling for KnitTrans's read path (``knittrans.bench.ceiling``)."""
+INPROC_CEILING_SYSTEM = "inproc-ceiling"
+"""The same in process: knittrans-inproc's ranks as threads copying the same shares, nothing else beside them."""
 
 
 def _num(x: float | None) -> float | None:
@@ -113,18 +115,18 @@ def memcpy_fraction(system: str, field: str) -> Callable[[Sequence[Trial]], Meas
     return measure
 
 
-def ceiling_fraction(system: str) -> Callable[[Sequence[Trial]], Measured]:
-    """Per pass, ``system``'s get bandwidth / the engine ceiling's in the same pass (``engine-ceiling``: refs handed
-    over, one ``ray.get``, one pack of the same objects); median, [min, max]; the note names the ceiling's median
-    and ``system``'s get profile."""
+def ceiling_fraction(system: str, ceiling: str = CEILING_SYSTEM) -> Callable[[Sequence[Trial]], Measured]:
+    """Per pass, ``system``'s get bandwidth / the ceiling's in the same pass (``engine-ceiling``: refs handed over,
+    one ``ray.get``, one pack of the same objects; ``inproc-ceiling``: the same in process); median, [min, max]; the
+    note names the ceiling's median and ``system``'s get profile."""
 
     def measure(rows: Sequence[Trial]) -> Measured:
-        pairs = _rate_pairs(rows, system, CEILING_SYSTEM, "get_gbps")
+        pairs = _rate_pairs(rows, system, ceiling, "get_gbps")
         if not pairs:
-            return not_measured(f"no pass measured both {system}'s and the engine ceiling's get bandwidth")
-        prof, ceiling = get_profile(rows, system), float(np.median([b for _, b in pairs]))
+            return not_measured(f"no pass measured both {system}'s and {ceiling}'s get bandwidth")
+        prof, med = get_profile(rows, system), float(np.median([b for _, b in pairs]))
         return median_range([a / b for a, b in pairs],
-                            f"engine ceiling median {ceiling:.3g} GB/s" + (f"; {prof}" if prof else ""))
+                            f"{ceiling} median {med:.3g} GB/s" + (f"; {prof}" if prof else ""))
     return measure
 
 

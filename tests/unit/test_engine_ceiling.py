@@ -37,3 +37,27 @@ def test_the_multimodal_ceiling_moves_exactly_the_bytes_knittrans_moves():
     assert top.pixel_nbytes > 0 and top.pixel_nbytes == ours.pixel_nbytes  # each distinct image once per share
     assert top.bytes_moved == ours.bytes_moved
     assert top.pixel_nbytes < sum(im.nbytes for r in d.rollouts for im in r.images)  # not once per sample
+
+
+def test_the_in_process_ceiling_moves_exactly_the_bytes_knittrans_inproc_moves():
+    """knittrans-inproc's ceiling (``inproc-ceiling``): ranks as threads, every share claimed before t0; the same
+    bytes as knittrans-inproc's raw pass, timed get by get (no unit read: the units' arrays are the sources), and no
+    Ray at all."""
+    assert System.INPROC_CEILING not in MM_SYSTEMS  # the in-process claim is the text table's
+    cfg = TransferConfig(workload="text", num_minibatches=2, systems=["inproc-ceiling", "knittrans-inproc"])
+    cfg.text.prompts_per_batch = 4
+    layout = BenchLayout(cfg.num_ranks, cfg.num_units, cfg.lead_steps, cfg.warmup_batches, cfg.prefetch_depth)
+    src = passes_of(cfg)
+    ceiling = make_system(System.INPROC_CEILING, cfg, layout, None)
+    knit = make_system(System.KNITTRANS_INPROC, cfg, layout, None)
+    try:
+        top = ceiling.run_raw(src.make(0, 0))
+        again = ceiling.run_raw(src.make(1, 0))  # a second pass on the same plane: the first one was released
+        ours = knit.run_raw(src.make(2, 0))
+    finally:
+        ceiling.close()
+        knit.close()
+    for res in (top, again):
+        assert res.raw_s > 0 and len(res.get_s) == cfg.num_ranks * cfg.num_minibatches
+        assert all(p[0] == 0.0 for p in res.get_parts)  # no claim inside the timed window
+        assert res.bytes_moved == ours.bytes_moved
