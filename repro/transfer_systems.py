@@ -34,8 +34,9 @@ MM_SYSTEMS = (System.CENTRALIZED, System.VERL, System.TRANSFERQUEUE, System.KNIT
 engine ceiling reads each share's fields and distinct images (the multimodal units' objects) with one pack: the
 least raw pass a design reading through Ray can have (``mm_ceiling_transfer_ratio``)."""
 TEXT_SYSTEMS = tuple(System)
-"""Every system (the in-process ceiling is the text table's: the in-process claim is a text claim). (``verl-mm``, our re-implementation of verl's multimodal step, ran until session 33: it measured
-nothing verl's own code does not; docs/experiments.md has both side by side.)"""
+"""Every system (the in-process ceiling only here: the in-process claim is a text claim). (``verl-mm``, our
+re-implementation of verl's multimodal step, ran until session 33: it measured nothing verl's own code does not;
+docs/experiments.md has both side by side.)"""
 
 
 def make_system(kind: System, cfg, layout: BenchLayout, session) -> TransferSystem:  # noqa: ANN001

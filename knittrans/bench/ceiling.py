@@ -26,7 +26,6 @@ copying the same shares at once) with no puts, no admission, no prefetcher and n
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -38,9 +37,9 @@ from knittrans.dataplane.types import MiniBatchKey, ShareLocation, TrajectoryPay
 @dataclass
 class RunsSource:
     """A rank's shares as runs handed over by the driver (``StepSource``): step i maps those of share i's sources not
-    mapped yet with one ``ray.get`` (in process: the units' arrays themselves; each source once per pass, as a KnitTrans rank keeps what it mapped until the
-    source retires: ``client.SourceCache``) and packs its runs, timed as a KnitTrans get is (claim 0, read, pack,
-    pack CPU)."""
+    mapped yet with one ``ray.get`` (in process: the units' arrays themselves; each source once per pass, as a
+    KnitTrans rank keeps what it mapped until the source retires: ``client.SourceCache``) and packs its runs, timed
+    as a KnitTrans get is (claim 0, read, pack, pack CPU)."""
 
     locs: tuple[ShareLocation, ...]
     plane: object  # the data plane whose client packs (its schema and prepare options)
@@ -79,6 +78,8 @@ class EngineCeilingSystem:
     def __init__(self, name: str, layout: BenchLayout, session, multimodal: bool = False,  # noqa: ANN001
                  in_process: bool = False) -> None:
         self.name, self.layout, self.session, self.multimodal = name, layout, session, multimodal
+        if in_process and multimodal:
+            raise ValueError(f"{name}: the in-process ceiling is the text table's (no in-process multimodal claim)")
         self.in_process = in_process
         """Ranks as threads of this process reading an in-process plane (``inproc-ceiling``), not rank actors
         reading a Ray plane's objects."""
@@ -91,11 +92,7 @@ class EngineCeilingSystem:
             schema = HandoffConfig.grpo(len(d.plan.groups), d.group_size, d.num_minibatches, d.max_response_len,
                                         multimodal=self.multimodal).resolved_schema
             units, ranks = dict(self.layout.unit_nodes), self.layout.rank_nodes
-            if self.in_process and self.multimodal:
-                from knittrans.mmdedup.plane import build_mm_inprocess
-
-                self._plane = build_mm_inprocess(units, ranks, schema)
-            elif self.in_process:
+            if self.in_process:
                 from knittrans.dataplane.inprocess import build_inprocess
 
                 self._plane = build_inprocess(schema, units, ranks)
@@ -154,30 +151,10 @@ class EngineCeilingSystem:
     @staticmethod
     def _threads(sources: list[RunsSource], m: int) -> tuple[list, float]:
         """One thread per rank, started and waiting before t0, released together at t0 (knittrans-inproc's
-        ranks, ``KnitTransSystem._threads``)."""
-        from knittrans.bench.loop import rank_loop
+        ranks: ``loop.rank_threads``)."""
+        from knittrans.bench.loop import rank_threads
 
-        traces: list = [None] * len(sources)
-        errors: list[BaseException] = []
-        go = threading.Barrier(len(sources) + 1)
-
-        def rank(r: int) -> None:
-            go.wait()
-            try:
-                traces[r] = rank_loop(r, sources[r], 1, m, 0.0)
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                errors.append(e)
-
-        threads = [threading.Thread(target=rank, args=(r,), name=f"ceiling-rank{r}") for r in range(len(sources))]
-        for th in threads:
-            th.start()
-        go.wait()
-        t0 = time.perf_counter()
-        for th in threads:
-            th.join()
-        if errors:
-            raise RuntimeError("inproc-ceiling: a rank thread failed") from errors[0]
-        return traces, t0
+        return rank_threads(sources, 1, m, 0.0, time.perf_counter, name="inproc-ceiling")
 
     def close(self) -> None:
         if self._plane is not None:

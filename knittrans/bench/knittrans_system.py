@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from knittrans.bench.loop import Notify, completion_times, finish_raw, finish_steady, rank_loop
+from knittrans.bench.loop import completion_times, finish_raw, finish_steady, rank_threads
 from knittrans.bench.types import (COMPLETION_FIELDS, BenchLayout, Obtained, PassData, PassKind, PassResult,
                                    streamed_payload)
 from knittrans.dataplane.harness import RankTrace, Signals
@@ -267,9 +267,10 @@ class KnitTransSystem:
             t0 = self._clock(n, m, tag, actor_wait(s.signals), complete, steady)
             return ray.get(runs), t0
         signals = Signals()
-        return self._threads(sources, n, m, iters_per_token, tag, signals.set,
-                             lambda: self._clock(n, m, tag, lambda k: signals.wait(k, ADMIT_TIMEOUT_S), complete,
-                                                 steady))
+        # in process: one thread per rank (torch ops release the GIL), started before the clock runs
+        return rank_threads(sources, n, m, iters_per_token,
+                            lambda: self._clock(n, m, tag, lambda k: signals.wait(k, ADMIT_TIMEOUT_S), complete,
+                                                steady), notify=signals.set, tag=tag, name=self.name)
 
     def _clock(self, n: int, m: int, tag: int, wait_step, complete, steady: bool) -> dict[int, float]:  # noqa: ANN001
         if steady:
@@ -277,33 +278,6 @@ class KnitTransSystem:
         t0 = {0: time.perf_counter()}
         complete(0)
         return t0
-
-    def _threads(self, sources: list[ConsumerSource], n: int, m: int, iters_per_token: float, tag: int,
-                 notify: Notify, clock) -> tuple[list[RankTrace], dict[int, float]]:  # noqa: ANN001
-        """In-process ranks: one thread each (torch ops release the GIL), started before the clock runs."""
-        traces: list[RankTrace | None] = [None] * len(sources)
-        errors: list[BaseException] = []
-        started = threading.Barrier(len(sources) + 1)
-
-        def rank_thread(r: int) -> None:
-            started.wait()
-            try:
-                traces[r] = rank_loop(r, sources[r], n, m, iters_per_token, notify=notify, tag=tag)
-            except BaseException as e:  # noqa: BLE001 - re-raised on the driver below
-                errors.append(e)
-
-        threads = [threading.Thread(target=rank_thread, args=(r,), name=f"rank{r}") for r in range(len(sources))]
-        for th in threads:
-            th.start()
-        started.wait()
-        try:
-            t0 = clock()
-        finally:
-            for th in threads:
-                th.join()
-        if errors:
-            raise RuntimeError(f"{self.name}: a rank thread failed") from errors[0]
-        return [t for t in traces if t is not None], t0
 
     def _settle(self, h: Handoff) -> int:
         """Wait until every step trained so far is acknowledged and every unit confirmed its drops; return the

@@ -19,8 +19,9 @@ the trainer's own progress paces the rollout in every system alike.
 from __future__ import annotations
 
 import statistics
+import threading
 import time
-from typing import Callable, Hashable, Mapping, Sequence
+from typing import Callable, Hashable, Mapping, Sequence, TypeVar
 
 from knittrans.bench.types import BenchLayout, PassKind, PassResult, StepSource
 from knittrans.dataplane.harness import MiniBatchTiming, RankTrace, emulate_compute, steady_state_exposed
@@ -62,6 +63,42 @@ def rank_loop(rank: int, source: StepSource, num_batches: int, num_minibatches: 
     finally:
         source.close()
     return RankTrace(rank, tuple(out))
+
+
+T = TypeVar("T")
+
+
+def rank_threads(sources: Sequence[StepSource], num_batches: int, num_minibatches: int, iters_per_token: float,
+                 clock: Callable[[], T], notify: Notify | None = None, tag: int = 0,
+                 name: str = "ranks") -> tuple[list[RankTrace], T]:
+    """In-process ranks: one thread each running ``rank_loop`` over its source (torch ops release the GIL), all
+    started and waiting before ``clock()`` runs on this thread (it takes t0 and, in a steady pass, runs the rollout
+    clock); returns the ranks' traces and what ``clock`` returned. A rank thread's error is re-raised here (a
+    ``RuntimeError`` naming ``name``, caused by it)."""
+    traces: list[RankTrace | None] = [None] * len(sources)
+    errors: list[BaseException] = []
+    started = threading.Barrier(len(sources) + 1)
+
+    def rank_thread(r: int) -> None:
+        started.wait()
+        try:
+            traces[r] = rank_loop(r, sources[r], num_batches, num_minibatches, iters_per_token, notify=notify,
+                                  tag=tag)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_thread, args=(r,), name=f"rank{r}") for r in range(len(sources))]
+    for th in threads:
+        th.start()
+    started.wait()
+    try:
+        t0 = clock()
+    finally:
+        for th in threads:
+            th.join()
+    if errors:
+        raise RuntimeError(f"{name}: a rank thread failed") from errors[0]
+    return [t for t in traces if t is not None], t0
 
 
 def completion_times(layout: BenchLayout, num_batches: int, num_minibatches: int, tag: int,
