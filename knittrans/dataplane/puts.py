@@ -230,16 +230,36 @@ class PutRegistry:
         a check per field per trajectory; any other case registers the same put as records (``register``), which
         decides it and names what it refuses."""
         with self._cv:
-            policy = self.policy
-            if (not self._closed and unit_id in self.unit_nodes and self._plain_registration()
-                    and np.unique(cols.traj_ids).shape[0] == len(cols)
-                    and columns_take_fast_path(cols, unit_id, self._trajs, self._released_ids,
-                                               self._consumed_after_loss, None if policy is None else self._groups,
-                                               self._arrived, self.schema,
-                                               0 if policy is None else policy.constraints.max_response_len)):
+            if self._columns_plain_locked(unit_id, cols):
                 self._register_columns_locked(unit_id, cols, source)
                 return ()
         return self.register(records_of(unit_id, cols, source, self.schema))
+
+    def register_columns_inline(self, unit_id: str, cols: PutColumns, source: object) -> bool:
+        """``register_columns``' plain case, taken only for a later put of trajectories that unit ``unit_id``
+        holds already (their first put registered there): a small put whose bytes ride with its registration
+        (``source`` holds them), its unit's copy written after (``ray_transport.ControllerHost.register_inline``).
+        False: nothing registered -- the caller writes the unit first and registers as ``register_columns``."""
+        with self._cv:
+            if not self._columns_plain_locked(unit_id, cols):
+                return False
+            trajs = self._trajs
+            for t in cols.traj_ids.tolist():
+                st = trajs.get(t)
+                if st is None or st.unit_id != unit_id:
+                    return False
+            self._register_columns_locked(unit_id, cols, source)
+            return True
+
+    def _columns_plain_locked(self, unit_id: str, cols: PutColumns) -> bool:
+        """Whether a columnar put registers as the plain case (``columns_take_fast_path``; lock held)."""
+        policy = self.policy
+        return (not self._closed and unit_id in self.unit_nodes and self._plain_registration()
+                and np.unique(cols.traj_ids).shape[0] == len(cols)
+                and columns_take_fast_path(cols, unit_id, self._trajs, self._released_ids,
+                                           self._consumed_after_loss, None if policy is None else self._groups,
+                                           self._arrived, self.schema,
+                                           0 if policy is None else policy.constraints.max_response_len))
 
     def _plain_registration(self) -> bool:
         """A subclass that keeps per-trajectory state of its own at registration registers records only, unless it

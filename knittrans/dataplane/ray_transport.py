@@ -50,7 +50,7 @@ from knittrans.dataplane.journal_file import FileJournal, journal_path
 from knittrans.dataplane.recovery import JournalState
 from knittrans.dataplane.storage import StorageUnit, UnitStats, packed_chunk, pop_fields
 from knittrans.dataplane.types import (AdmittedMiniBatch, ControllerLostError, DataPlaneClosedError, DataPlaneError,
-                                       MiniBatchKey, Polled, PutRecord, ReadTimeoutError, ResolveStalledError,
+                                       InlineSource, MiniBatchKey, Polled, PutRecord, ReadTimeoutError, ResolveStalledError,
                                        ShareLocation, ShareRuns, TrajectoryPayload, TrajectorySchema, UnitChunk,
                                        UnitLostError)
 from knittrans.types import BatchPlan, MiniBatch
@@ -241,10 +241,29 @@ class UnitHost:
             self._pool = BufferPool(max_buffers=8)  # one per concurrent get (the actor's max_concurrency)
         return packed_chunk(chunk, self._pool)
 
-    def drop(self, traj_ids: Sequence[int], fields: Sequence[str] | None = None) -> int:
+    def drop(self, traj_ids: Sequence[int], fields: Sequence[str] | None = None, *after: object) -> int:
+        """Drop rows (all their fields, or ``fields``). ``after``: the replies of writes this drop must follow
+        (``ControllerHost.register_inline``: Ray runs the call once they are done, so a copy written late is never
+        left behind by the drop that was meant for it)."""
         freed = self.unit.drop(traj_ids, fields)
         self._objects().drop(traj_ids, fields)
         return freed
+
+    def store_columns(self, cols: PutColumns, arrays: tuple[np.ndarray, ...]) -> BaseException | None:
+        """The unit's copy of a put the controller registered with its bytes (``ControllerHost.register_inline``): a
+        small put, kept in this unit's memory as ``put`` keeps one (no object: ranks read the controller's copy, and
+        after a controller restart every field is read through its unit anyway), as columns, or payload by payload
+        where this unit does not take them (a fault-injecting unit; a repeat of what it holds: idempotent). Never
+        raises -- the controller's drops wait on this reply, and a failed write must not fail them -- but answers
+        the error, which the controller raises to the producer."""
+        try:
+            arrays = tuple(np.array(a) for a in arrays)  # this unit's own bytes, not views of the call's message
+            fast = getattr(self.unit, "put_columns", None) if self._direct else None
+            if fast is None or fast(cols, arrays) is None:
+                self.unit.put(payloads_of(cols, arrays))
+            return None
+        except Exception as e:  # noqa: BLE001 - answered, raised by the controller to the producer
+            return e
 
     def stats(self) -> UnitStats:
         return self.unit.stats()
@@ -310,7 +329,9 @@ class ControllerHost:
         self.ctrl = controller_cls(schema, unit_nodes, config, policy, **extra)
         self.unit_actors = {u: _resolve(a) for u, a in unit_actors.items()}
         self._drops: list[tuple[str, ray.ObjectRef]] = []  # drops sent and not yet confirmed
+        self._writes: dict[str, list[ray.ObjectRef]] = {}  # unit -> its copies of inline puts being written
         self._drops_lock = threading.Lock()
+        self._drops_cv = threading.Condition(self._drops_lock)  # a unit's copy sent (``register_inline``)
         self._journal = journal
         if journal is not None:
             state = journal.attach()
@@ -337,6 +358,45 @@ class ControllerHost:
 
     def register_columns(self, unit_id: str, cols: PutColumns, source: list) -> tuple[int, ...]:
         return self.ctrl.register_columns(unit_id, cols, source[0])  # [ref]: see RayControllerProxy.register_columns
+
+    def register_inline(self, unit_id: str, cols: PutColumns, arrays: tuple[np.ndarray, ...]) -> bool:
+        """A small put (``INLINE_PUT_BYTES``) registered with its bytes, before its unit holds it: the controller
+        registers it (``Controller.register_columns_inline``: the plain case of a later put only; else False and
+        nothing changes), journals what that decided and shows its admissions, so the ranks' polls are answered with
+        the bytes themselves (``types.InlineSource``); then it writes the unit's copy (``UnitHost.store_columns``)
+        and answers once that copy exists. So the producer -> unit -> producer hops leave the path from a
+        completing put to the ranks, and what a producer is told is stored is still in its unit: a controller that
+        dies before answering is restarted and this call retried (``max_task_retries``), which writes again (a
+        repeat: no-op). Drops sent while the copy is written wait for it (``_writes``). The unit lost: reported
+        (``lose_unit``) and raised, as a producer's failed put."""
+        if unit_id not in self.unit_actors:
+            return False
+        slot: list = [None]  # the unit's copy's reply, once sent: drops to this unit wait for it (``_apply_acks``)
+        with self._drops_cv:
+            self._writes.setdefault(unit_id, []).append(slot)
+        try:
+            if not self.ctrl.register_columns_inline(unit_id, cols, InlineSource(arrays)):
+                return False
+            if self._journal is not None:  # the admissions it made are written and shown before the unit's copy
+                admitted = self.ctrl.admitted_count()
+                self._journal.flush()
+                self.ctrl.show(admitted)
+            write = self.unit_actors[unit_id].store_columns.remote(cols, arrays)
+            with self._drops_cv:
+                slot[0] = write
+                self._drops_cv.notify_all()
+            try:
+                err = _call(write, unit_id)
+            except UnitLostError:
+                self.ctrl.lose_unit(unit_id)
+                raise
+        finally:
+            with self._drops_cv:
+                self._writes[unit_id].remove(slot)
+                self._drops_cv.notify_all()
+        if err is not None:  # not stored: a put the unit refused raises to its producer, as a put does
+            raise err
+        return True
 
     def admit(self, mb: MiniBatch) -> AdmittedMiniBatch:
         return self.ctrl.admit(mb)
@@ -378,7 +438,7 @@ class ControllerHost:
         that ``wait_drained`` also takes: a caller that saw the version advance (``wait_version``) and then waits
         for the drops always finds this mini-batch's among them. (Not a public method: the journal flush that
         every public method makes before it answers is made once, by the caller's.)"""
-        with self._drops_lock:
+        with self._drops_cv:
             drops: list[tuple[str, tuple[int, ...]]] = []
             try:
                 for key, rank, fields, epoch in acks:
@@ -386,8 +446,12 @@ class ControllerHost:
             finally:
                 if drops and self._journal is not None:
                     self._journal.flush()  # the releases are journaled before any unit drops their bytes
-                for unit_id, ts in drops:
-                    self._drops.append((unit_id, self.unit_actors[unit_id].drop.remote(ts)))
+                for unit_id, ts in drops:  # after the unit's copies still being written (``register_inline``)
+                    slots = self._writes.get(unit_id, [])
+                    # a copy registered and not sent yet is sent within microseconds (the wait releases the lock)
+                    self._drops_cv.wait_for(lambda: all(sl[0] is not None for sl in slots), timeout=60.0)
+                    self._drops.append((unit_id, self.unit_actors[unit_id].drop.remote(
+                        ts, None, *(sl[0] for sl in slots if sl[0] is not None))))
 
     def wait_drained(self, timeout: float | None = None) -> int:
         """Block until every drop sent so far is confirmed by its unit (no polling: waits on the drops' own
@@ -511,6 +575,10 @@ class RayControllerProxy:
     def register_columns(self, unit_id: str, cols: PutColumns, source: object = None) -> tuple[int, ...]:
         # the unit's ObjectRef travels in a list: a top-level ref argument would arrive as the object's value
         return _call(self.actor.register_columns.remote(unit_id, cols, [source]))
+
+    def register_inline(self, unit_id: str, cols: PutColumns, arrays: tuple[np.ndarray, ...]) -> bool:
+        """``ControllerHost.register_inline``: True once registered and written to the unit; False: not taken."""
+        return _call(self.actor.register_inline.remote(unit_id, cols, arrays))
 
     def admit(self, mb: MiniBatch) -> AdmittedMiniBatch:
         return _call(self.actor.admit.remote(mb))
@@ -653,6 +721,15 @@ class ParallelRayGetter:
         node; from another node Ray's object manager pulls each object once and keeps it in the node's store while
         referenced). A source whose owner -- its unit -- died raises ``UnitLostError`` naming that unit; past the
         deadline ``ReadTimeoutError``."""
+        if any(isinstance(h, InlineSource) for h in runs.sources):  # bytes that came with the claim: no get
+            objs = [i for i, h in enumerate(runs.sources) if not isinstance(h, InlineSource)]
+            out = [getattr(h, "arrays", None) for h in runs.sources]
+            if objs:
+                got = self.resolve(dataclasses.replace(runs, sources=tuple(runs.sources[i] for i in objs),
+                                                       source_units=tuple(runs.source_units[i] for i in objs)))
+                for i, arrays in zip(objs, got):
+                    out[i] = arrays
+            return out
         rec = trace.active()
         refs = list(runs.sources)
         deadline = None if self.read_timeout_s is None else time.monotonic() + self.read_timeout_s

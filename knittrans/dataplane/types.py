@@ -22,6 +22,7 @@ import functools
 from functools import cached_property
 import math
 import sys
+import uuid
 from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
 import numpy as np
@@ -424,6 +425,29 @@ class Polled(NamedTuple):
     epoch: int
     locs: tuple[ShareLocation, ...]
     retired: Retired = Retired((), None, False)
+
+
+class InlineSource:
+    """A small put's source that rides with its registration instead of being an object of its unit
+    (``ray_transport.ControllerHost.register_inline``): its arrays, one per field, as ``PutRecord.source`` holds
+    them in process, and an id that names it as ``ObjectRef.binary()`` names an object (a reader's
+    ``client.SourceCache`` keys and the controller's retirements use it). A claim hands it to the rank with its
+    bytes: nothing to map, no pull."""
+
+    __slots__ = ("arrays", "_id")
+
+    def __init__(self, arrays: Sequence[np.ndarray], source_id: bytes | None = None) -> None:
+        self.arrays = tuple(arrays)
+        self._id = source_id if source_id is not None else uuid.uuid4().bytes
+
+    def binary(self) -> bytes:
+        return self._id
+
+    def __reduce__(self):  # noqa: ANN204
+        return (InlineSource, (self.arrays, self._id))
+
+    def __repr__(self) -> str:
+        return f"InlineSource({self._id.hex()[:8]}, {sum(int(a.nbytes) for a in self.arrays)} bytes)"
 
 
 @dataclass(frozen=True)
