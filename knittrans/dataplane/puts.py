@@ -237,19 +237,26 @@ class PutRegistry:
 
     def register_columns_inline(self, unit_id: str, cols: PutColumns, source: object) -> bool:
         """``register_columns``' plain case, taken only for a later put of trajectories that unit ``unit_id``
-        holds already (their first put registered there): a small put whose bytes ride with its registration
-        (``source`` holds them), its unit's copy written after (``ray_transport.ControllerHost.register_inline``).
-        False: nothing registered -- the caller writes the unit first and registers as ``register_columns``."""
+        holds already and whose every registered field a rank reads from its source (``_sourced_locked``): a small
+        put whose bytes ride with its registration (``source`` holds them), its unit's copy written after
+        (``ray_transport.ControllerHost.register_inline``) -- so no share holding them is read through the unit,
+        which may not hold them yet. False: nothing registered -- the caller writes the unit first and registers as
+        ``register_columns``."""
         with self._cv:
             if not self._columns_plain_locked(unit_id, cols):
                 return False
             trajs = self._trajs
             for t in cols.traj_ids.tolist():
                 st = trajs.get(t)
-                if st is None or st.unit_id != unit_id:
+                if st is None or st.unit_id != unit_id or not self._sourced_locked(t, st):
                     return False
             self._register_columns_locked(unit_id, cols, source)
             return True
+
+    def _sourced_locked(self, traj_id: int, st: _TrajState) -> bool:
+        """Whether every field registered for ``traj_id`` lies in a source (a claim's runs: read without its unit);
+        a subclass whose shares need more (images' locations) says so."""
+        return bool(st.fields) and all(n in st.where for n in st.fields)
 
     def _columns_plain_locked(self, unit_id: str, cols: PutColumns) -> bool:
         """Whether a columnar put registers as the plain case (``columns_take_fast_path``; lock held)."""

@@ -482,6 +482,14 @@ class MMController(Controller):
                     st.where.update(self._sources.add(handle, r.unit_id, [(f"{_IMG}{i}", (col, a, b))]))
         self._sources.end_put()
 
+    def _sourced_locked(self, traj_id: int, st) -> bool:  # noqa: ANN001 - a puts._TrajState
+        """Every field but ``image_index`` in a source, and every image with its location and content key (what
+        ``_share_runs`` needs to answer with runs rather than reads through the units)."""
+        ks = self._images.get(traj_id)
+        n = st.fields.get(IMAGE_FIELD, 0) // np.dtype(np.int64).itemsize
+        return (all(f in st.where for f in st.fields if f != IMAGE_FIELD) and ks is not None and len(ks) == n
+                and all(f"{_IMG}{i}" in st.where for i in range(n)))
+
     def _share_runs(self, traj_ids: Sequence[int], fields: Sequence[str], rank: int) -> ShareRuns | None:
         """With ``image_index`` requested: the other fields' runs and the share's distinct images, each once (the
         copy on the rank's node when one is there, else the first holder's; without ``cross_unit`` once per unit),

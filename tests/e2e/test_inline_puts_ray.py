@@ -147,3 +147,31 @@ def test_controller_kills_under_two_phase_puts_train_every_trajectory_exactly_on
         assert all(u.num_trajectories == 0 for u in h.stats()[1])
     finally:
         h.close()
+
+
+def test_a_unit_dead_before_its_inline_copy_is_reported_lost_and_its_trajectories_are_put_again(ray_local):
+    """The completing put reaches the controller, but its unit died: the copy cannot be written, so the producer's
+    put raises ``UnitLostError`` (as a put to a dead unit does), the unit's trajectories are missing, and once their
+    producer puts them again elsewhere every trajectory is trained exactly once with its own bytes."""
+    from knittrans.dataplane.types import UnitLostError
+
+    h = Handoff(HandoffConfig.grpo(P, N, M, L, transport=Transport.RAY, units=(("u0", "n0"), ("u1", "n1")),
+                                   rank_nodes=("n0", "n1")))
+    try:
+        h.add_batch(plan(0))
+        h.seal()
+        rs = {u: [rollout(t, 0) for t in range(P * N) if (t // N) % 2 == i] for i, u in enumerate(("u0", "u1"))}
+        stream_then_complete(h.plane, h.producer("u0"), "u0", rs["u0"])
+        h.plane.client("u1").put([TrajectoryPayload(r.traj.traj_id, {k: v for k, v in r.tensors.items()
+                                                                      if k != "advantages"}) for r in rs["u1"]])
+        ray.kill(h.plane.unit_actors["u1"])
+        with pytest.raises(UnitLostError):
+            h.producer("u1").put([Rollout(r.traj, {"advantages": r.tensors["advantages"]}) for r in rs["u1"]])
+        assert sorted(h.missing()) == sorted(r.traj.traj_id for r in rs["u1"])
+        h.producer("u0").put(rs["u1"])  # the producer puts the lost trajectories again, whole, on a live unit
+        assert h.missing() == ()
+        got = ray.get([train.remote(h.consumer(r)) for r in range(2)], timeout=120)
+        ids = [t for r in got for _, ts, _ in r for t in ts]
+        assert sorted(ids) == list(range(P * N)) and all(ok for r in got for _, _, ok in r)
+    finally:
+        h.close()

@@ -76,7 +76,7 @@ def dedup_off_in_the_plane(monkeypatch) -> None:  # noqa: ANN001
 class LeakyHost(plane_ray.MMUnitHost):
     """A multimodal unit whose drop forgets the fields but never releases the images' references."""
 
-    def drop(self, traj_ids, fields=None) -> int:  # noqa: ANN001
+    def drop(self, traj_ids, fields=None, *after) -> int:  # noqa: ANN001, ANN002 - ``UnitHost.drop``'s signature
         return StorageUnit.drop(self.unit, traj_ids, fields)
 
 
