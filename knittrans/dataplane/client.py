@@ -444,8 +444,8 @@ class DataPlaneClient:
         """Whether a columnar put goes to the controller with its bytes (``INLINE_PUT_BYTES``): a remote controller
         that takes it, no checksums (they travel as records), ranks that read shares from their sources (not through
         the units, which may not hold these bytes yet), and columns the unit would take as they are."""
-        return (self.remote_controller and not self.checksums and self.prepare.direct_reads and cols[0].metas is not None
-                and getattr(self.controller, "register_inline", None) is not None
+        return (self.remote_controller and not self.checksums and self.prepare.direct_reads
+                and cols[0].metas is not None and getattr(self.controller, "register_inline", None) is not None
                 and sum(int(a.nbytes) for a in cols[1]) <= INLINE_PUT_BYTES and check_columns(self.schema, *cols))
 
     def _columns(self, payloads: Sequence[TrajectoryPayload]) -> tuple[PutColumns, tuple[np.ndarray, ...]] | None:

@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Mapping, Sequence
 
 import numpy as np
 import ray
@@ -50,9 +50,9 @@ from knittrans.dataplane.journal_file import FileJournal, journal_path
 from knittrans.dataplane.recovery import JournalState
 from knittrans.dataplane.storage import StorageUnit, UnitStats, packed_chunk, pop_fields
 from knittrans.dataplane.types import (AdmittedMiniBatch, ControllerLostError, DataPlaneClosedError, DataPlaneError,
-                                       InlineSource, MiniBatchKey, Polled, PutRecord, ReadTimeoutError, ResolveStalledError,
-                                       ShareLocation, ShareRuns, TrajectoryPayload, TrajectorySchema, UnitChunk,
-                                       UnitLostError)
+                                       FieldNotProducedError, InlineSource, MiniBatchKey, Polled, PutRecord,
+                                       ReadTimeoutError, ResolveStalledError, ShareLocation, ShareRuns,
+                                       TrajectoryPayload, TrajectorySchema, UnitChunk, UnitLostError)
 from knittrans.types import BatchPlan, MiniBatch
 
 if TYPE_CHECKING:
@@ -230,7 +230,26 @@ class UnitHost:
         of a share whose rows have no direct source (a small put, a multimodal or fault-injecting unit, a
         trajectory restored after a controller restart)."""
         self._gets = getattr(self, "_gets", 0) + 1  # a racy count under concurrent reads only loses a count
-        return self._packed(self.unit.get(traj_ids, fields))
+        return self._packed(self._rows(lambda: self.unit.get(traj_ids, fields)))
+
+    COPY_WAIT_S: ClassVar[float] = 5.0
+    """How long a read through this unit waits for a field it does not hold yet before it raises
+    ``FieldNotProducedError``: a small completing put is registered with its bytes and its copy here written after
+    the ranks are answered (``ControllerHost.register_inline``), so a rank reading through its units (its own
+    ``direct_reads=False``, a stalled resolve's fallback) can ask before the copy lands."""
+
+    def _rows(self, read: "Callable[[], UnitChunk]") -> UnitChunk:
+        delay, deadline = 0.001, None
+        while True:
+            try:
+                return read()
+            except FieldNotProducedError:
+                now = time.monotonic()
+                deadline = deadline if deadline is not None else now + self.COPY_WAIT_S
+                if now >= deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(2 * delay, 0.05)
 
     def get_count(self) -> int:
         """Reads this unit answered (``get``): none for shares read straight from the unit's objects."""

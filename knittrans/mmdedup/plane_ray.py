@@ -76,7 +76,7 @@ class MMUnitHost(UnitHost):
         rows packed into one of this actor's reused buffers as ``UnitHost.get`` does: one small array per
         trajectory and field (5 x 64 per share here) costs Ray far more to serialize and map than a few packed
         arrays (the multimodal raw pass took ~25 ms longer with rows: ``docs/experiments.md``)."""
-        return self._packed(self.unit.get(traj_ids, fields, serve))
+        return self._packed(self._rows(lambda: self.unit.get(traj_ids, fields, serve)))
 
     def store_stats(self) -> StoreStats:
         return self.unit.store_stats()
