@@ -348,7 +348,7 @@ class ControllerHost:
         self.ctrl = controller_cls(schema, unit_nodes, config, policy, **extra)
         self.unit_actors = {u: _resolve(a) for u, a in unit_actors.items()}
         self._drops: list[tuple[str, ray.ObjectRef]] = []  # drops sent and not yet confirmed
-        self._writes: dict[str, list[list]] = {}  # unit -> slots of its inline puts' copies being written (their replies)
+        self._writes: dict[str, list[list]] = {}  # unit -> slots: replies of copies being written
         self._drops_lock = threading.Lock()
         self._drops_cv = threading.Condition(self._drops_lock)  # a unit's copy sent (``register_inline``)
         self._journal = journal
