@@ -324,10 +324,7 @@ def _flushing(method):  # noqa: ANN001, ANN202
         try:
             return method(self, *args, **kwargs)
         finally:
-            if self._journal is not None:
-                admitted = self.ctrl.admitted_count()
-                self._journal.flush()
-                self.ctrl.show(admitted)  # written: the waiters for these admissions may answer now
+            self._flush_and_show()
 
     return wrapper
 
@@ -360,6 +357,13 @@ class ControllerHost:
             # an admission is shown to the polls once the journal holds it: written by the admitting call itself
             self.ctrl.show_durable_only(journal.flush)
         freeze_startup_heap()
+
+    def _flush_and_show(self) -> None:
+        """Journal what the calls so far decided, then show their admissions: the waiters may answer now."""
+        if self._journal is not None:
+            admitted = self.ctrl.admitted_count()
+            self._journal.flush()
+            self.ctrl.show(admitted)
 
     def _restore(self, state: JournalState) -> None:
         refs = {u: a.manifest.remote() for u, a in self.unit_actors.items()}
@@ -396,10 +400,7 @@ class ControllerHost:
         try:
             if not self.ctrl.register_columns_inline(unit_id, cols, InlineSource(arrays)):
                 return False
-            if self._journal is not None:  # the admissions it made are written and shown before the unit's copy
-                admitted = self.ctrl.admitted_count()
-                self._journal.flush()
-                self.ctrl.show(admitted)
+            self._flush_and_show()  # the admissions it made are written and shown before the unit's copy
             write = self.unit_actors[unit_id].store_columns.remote(cols, arrays)
             with self._drops_cv:
                 slot[0] = write

@@ -485,10 +485,16 @@ class MMController(Controller):
     def _sourced_locked(self, traj_id: int, st) -> bool:  # noqa: ANN001 - a puts._TrajState
         """Every field but ``image_index`` in a source, and every image with its location and content key (what
         ``_share_runs`` needs to answer with runs rather than reads through the units)."""
+        return (all(f in st.where for f in st.fields if f != IMAGE_FIELD)
+                and self._located_images(traj_id, st) is not None)
+
+    def _located_images(self, traj_id: int, st) -> tuple[ImageKey, ...] | None:  # noqa: ANN001 - a _TrajState
+        """The content keys of ``traj_id``'s images when each has its key and its location, else None."""
         ks = self._images.get(traj_id)
         n = st.fields.get(IMAGE_FIELD, 0) // np.dtype(np.int64).itemsize
-        return (all(f in st.where for f in st.fields if f != IMAGE_FIELD) and ks is not None and len(ks) == n
-                and all(f"{_IMG}{i}" in st.where for i in range(n)))
+        if ks is None or len(ks) != n or any(f"{_IMG}{i}" not in st.where for i in range(n)):
+            return None
+        return ks
 
     def _share_runs(self, traj_ids: Sequence[int], fields: Sequence[str], rank: int) -> ShareRuns | None:
         """With ``image_index`` requested: the other fields' runs and the share's distinct images, each once (the
@@ -506,9 +512,8 @@ class MMController(Controller):
         index, counts, occ_bytes = [], np.zeros(len(traj_ids), np.int64), 0
         for j, t in enumerate(traj_ids):
             st = self._trajs[t]
-            ks = self._images.get(t)
-            n = st.fields.get(IMAGE_FIELD, 0) // np.dtype(np.int64).itemsize
-            if ks is None or len(ks) != n or any(f"{_IMG}{i}" not in st.where for i in range(n)):
+            ks = self._located_images(t, st)
+            if ks is None:
                 return None
             for i, k in enumerate(ks):
                 w = st.where[f"{_IMG}{i}"]
