@@ -126,12 +126,13 @@ SAME_LAYOUT = ("both on Ray: the same trainer-rank actors (one process each), th
                "in the controller, units, prefetching consumers, ack after the step)")
 EXPOSED = ("exposed transfer latency per batch (steady state: the first batch of each pass excluded), "
            "{num} / {den}, per pass; median over K interleaved passes, [min, max]; range [0, inf)")
-RAW = "raw transfer (one batch, no compute, t0 -> every rank holds every share), {num} / {den}, per pass"
+RAW = ("raw transfer (one batch, no compute, t0 -> every rank holds every share; the median of the pass's "
+       "raw_repeats raw passes), {num} / {den}, per pass")
 MEMCPY_FRACTION = ("data-plane get bandwidth of {system} / single-thread memcpy bandwidth measured in the same run: "
                    "bytes = the share payloads the gets delivered, each byte counted once (as memcpy counts a copied "
                    "byte once; the copies the path makes on the way are not counted again); time = the gets' claim + "
-                   "read + pack, summed over the raw pass's gets (one rank's stream: the ranks run side by side). "
-                   "Median over K passes, [min, max]; range [0, ~1]")
+                   "read + pack, summed over the gets of the pass's raw passes (one rank's stream: the ranks run side "
+                   "by side). Median over K passes, [min, max]; range [0, ~1]")
 RAW_FRACTION = ("end-to-end raw bandwidth of {system} / memcpy in the same run: the batch's share bytes over t0 -> "
                 "every rank holds every share (includes the producers' completing puts, admission in the "
                 "controller and every claim, read and pack); median over K passes, [min, max]")
