@@ -30,7 +30,7 @@ import os
 import statistics
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Sequence
+from typing import Optional, Sequence
 
 import hydra
 import numpy as np
@@ -105,6 +105,9 @@ class TransferConfig:
     """Run the raw pass after each steady pass (the gate of the text table skips it: no gated claim uses it)."""
     raw_repeats: int = 1
     """Raw passes per system per pass; the median of their times is the pass's (one batch is a single sample)."""
+    raw_repeat_below_s: Optional[float] = 1.0
+    """A system whose first raw pass of a pass takes at least this long is not repeated in it (verl's take seconds:
+    ``interleaved_passes(repeat_below_s=...)``); None: every system runs ``raw_repeats``."""
     lead_steps: int = 1
     """Batch b+1 completes when rank 0 starts step ``M - lead_steps`` of batch b."""
     central_overlap: str = "build_ahead"
@@ -236,7 +239,8 @@ def measure(cfg: TransferConfig, progress: bool = True) -> tuple[list[TransferTr
             bar.update(0 if what.startswith("warm") else 1)
         try:
             records = interleaved_passes(systems, cfg.passes, src.make, cfg.num_batches, ipt, raw=cfg.raw_pass,
-                                         raw_repeats=cfg.raw_repeats, progress=step,
+                                         raw_repeats=cfg.raw_repeats, repeat_below_s=cfg.raw_repeat_below_s,
+                                         progress=step,
                                          settle=session.settle if need_ray else None)
         finally:
             bar.close()

@@ -40,7 +40,8 @@ def interleaved_passes(systems: Sequence[TransferSystem], passes: int, make_batc
                        num_batches: int, iters_per_token: float | Mapping[str, float], raw: bool = True,
                        steady: bool = True, warmup: bool = True, raw_repeats: int = 1,
                        progress: Callable[[str], None] | None = None,
-                       settle: Callable[[], object] | None = None) -> list[PassRecord]:
+                       settle: Callable[[], object] | None = None,
+                       repeat_below_s: float | None = None) -> list[PassRecord]:
     """Run ``passes`` interleaved passes (see the module docstring). ``make_batch(uid, slot)``: a batch under
     fresh ids (``uid`` runs over every batch of the run) whose content depends on ``slot`` only (its position in
     the system's pass: 0..N-1 steady, N raw), so every system of a pass moves the same content at the same slot.
@@ -48,9 +49,11 @@ def interleaved_passes(systems: Sequence[TransferSystem], passes: int, make_batc
     ``warmup``: before pass 0 every system moves one batch unrecorded (a raw pass): the first touch of fresh
     memory -- the driver's dense batch, object-store pages, a new handoff's actors -- is not charged to whichever
     system happens to run first. ``raw_repeats``: raw passes per system per pass (the median of their times
-    counts: ``loop.median_raw``), each over a fresh batch of the same content. ``settle``: called before every
-    timed pass of every system, outside its window (``RaySession.settle``: the processes' heaps collected and
-    frozen), so that no system's pass pays for the garbage another system left."""
+    counts: ``loop.median_raw``), each over a fresh batch of the same content. ``repeat_below_s``: a system whose
+    first raw pass of a pass took at least this long runs no more in that pass (one sample of a window of seconds is
+    not at the mercy of the millisecond noise the repeats average out; verl's 3-10 s raw passes would add minutes).
+    ``settle``: called before every timed pass of every system, outside its window (``RaySession.settle``: the
+    processes' heaps collected and frozen), so that no system's pass pays for the garbage another system left."""
     if passes < 1 or not systems:
         raise ValueError(f"interleaved_passes needs passes >= 1 and at least one system, got {passes}, {systems}")
     out: list[PassRecord] = []
@@ -79,8 +82,12 @@ def interleaved_passes(systems: Sequence[TransferSystem], passes: int, make_batc
             if progress is not None:
                 progress(f"pass {p + 1}/{passes} {s.name}")
             st = timed(lambda: s.run_steady(fresh(range(num_batches)), ipt)) if steady else None
-            rw = median_raw([timed(lambda: s.run_raw(fresh(range(num_batches, num_batches + 1))[0]))
-                             for _ in range(raw_repeats)]) if raw else None
+            rw = None
+            if raw:
+                raws = [timed(lambda: s.run_raw(fresh(range(num_batches, num_batches + 1))[0]))]
+                while len(raws) < raw_repeats and (repeat_below_s is None or raws[0].raw_s < repeat_below_s):
+                    raws.append(timed(lambda: s.run_raw(fresh(range(num_batches, num_batches + 1))[0])))
+                rw = median_raw(raws)
             for r, kind in ((st, PassKind.STEADY), (rw, PassKind.RAW)):
                 if r is not None and r.kind is not kind:
                     raise TypeError(f"{s.name} returned a {r.kind.value} result for a {kind.value} pass")

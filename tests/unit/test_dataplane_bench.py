@@ -267,6 +267,33 @@ def test_interleaved_passes_settle_before_every_timed_pass_and_never_inside_one(
     assert all(x == "settle" for x in timed[0::2]) and "settle" not in timed[1::2]
 
 
+def test_interleaved_passes_repeat_only_the_raw_passes_shorter_than_the_bound():
+    from knittrans.bench import PassKind, PassResult, interleaved_passes
+
+    class Timed:
+        def __init__(self, name, raw_s):
+            self.name, self.raw_s, self.raws = name, raw_s, 0
+
+        def run_steady(self, batches, ipt):
+            return PassResult(PassKind.STEADY)
+
+        def run_raw(self, batch):
+            self.raws += 1
+            return PassResult(PassKind.RAW, raw_s=self.raw_s, get_s=(self.raw_s,), get_nbytes=(1,))
+
+        def close(self):
+            pass
+
+    short, long = Timed("short", 0.02), Timed("long", 3.0)
+    recs = interleaved_passes([short, long], 2, _tiny_passes().make, num_batches=1, iters_per_token=0.0,
+                              warmup=False, raw_repeats=3, repeat_below_s=1.0)
+    assert (short.raws, long.raws) == (2 * 3, 2 * 1)  # the seconds-long raw pass is one sample per pass
+    assert [len(r.raw.get_s) for r in recs] == [3, 1, 1, 3]  # a pass's gets pool its repeats
+    interleaved_passes([long], 1, _tiny_passes().make, num_batches=1, iters_per_token=0.0, warmup=False,
+                       raw_repeats=3)
+    assert long.raws == 2 + 3  # no bound: every system repeats
+
+
 def test_scale_presets_compose_and_paper_is_dapo_sized():
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
