@@ -14,6 +14,7 @@ pytest.importorskip("ray")
 import ray  # noqa: E402
 import ray.cloudpickle  # noqa: E402
 
+from e2e_helpers import wait_until  # noqa: E402
 from knittrans.handoff import Handoff, HandoffConfig, Rollout, Transport  # noqa: E402
 from knittrans.types import BatchPlan, GroupSpec, Trajectory  # noqa: E402
 
@@ -52,13 +53,6 @@ def train(consumer) -> list[tuple[int, tuple[int, ...], bool]]:
     return out
 
 
-def _wait(pred, timeout: float = 60.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)  # polling a remote actor's counters (test driver only)
-
-
 def test_a_killed_controller_actor_is_restarted_and_every_trajectory_is_trained_exactly_once(ray_local):
     h = Handoff(HandoffConfig.grpo(P, N, M, L, transport=Transport.RAY, units=(("u0", "n0"), ("u1", "n1")),
                                    rank_nodes=("n0", "n1"), admit_timeout_s=60))
@@ -72,10 +66,10 @@ def test_a_killed_controller_actor_is_restarted_and_every_trajectory_is_trained_
         prods = [produce.remote(h.producer(u), w, 0.15) for u, w in work.items()]
         kills = 0
         for at_version in (1, 3, 5):  # kill it three times while producers put and ranks fetch and ack
-            _wait(lambda: h.version >= at_version)
+            wait_until(lambda: h.version >= at_version)
             ray.kill(h.plane.controller_actor, no_restart=False)
             kills += 1
-            _wait(lambda: h.stats()[0].restarts == kills)  # Ray restarted it and it rebuilt itself
+            wait_until(lambda: h.stats()[0].restarts == kills)  # Ray restarted it and it rebuilt itself
         assert sum(ray.get(prods, timeout=120)) == BATCHES * P * N
         got = ray.get(ranks, timeout=120)
         for shares in got:

@@ -14,6 +14,7 @@ pytest.importorskip("ray")
 import ray  # noqa: E402
 import ray.cloudpickle  # noqa: E402
 
+from e2e_helpers import wait_until  # noqa: E402
 from knittrans.dataplane import MiniBatchKey, TrajectoryPayload  # noqa: E402
 from knittrans.dataplane.types import InlineSource  # noqa: E402
 from knittrans.handoff import Handoff, HandoffConfig, Rollout, Transport  # noqa: E402
@@ -68,13 +69,6 @@ def train(consumer) -> list[tuple[int, tuple[int, ...], bool]]:  # noqa: ANN001
     return out
 
 
-def _wait(pred, timeout: float = 60.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)  # polling a remote actor's counters (test driver only)
-
-
 def test_a_small_completing_put_rides_with_its_claim_and_its_unit_keeps_a_copy_until_consumed(ray_local):
     h = Handoff(HandoffConfig.grpo(P, N, 1, L, transport=Transport.RAY, units=(("u0", "n0"),),
                                    rank_nodes=("n0",)))
@@ -108,7 +102,7 @@ def test_a_controller_killed_after_inline_puts_serves_them_from_the_units_copies
         for i, u in enumerate(("u0", "u1")):
             stream_then_complete(h.plane, h.producer(u), u, [rollout(t, 0) for t in range(P * N) if (t // N) % 2 == i])
         ray.kill(h.plane.controller_actor, no_restart=False)  # its inline sources die with it
-        _wait(lambda: h.stats()[0].restarts == 1)
+        wait_until(lambda: h.stats()[0].restarts == 1)
         got = ray.get([train.remote(h.consumer(r)) for r in range(2)], timeout=120)
         ids = [t for r in got for _, ts, _ in r for t in ts]
         assert sorted(ids) == list(range(P * N)) and all(ok for r in got for _, _, ok in r)
@@ -133,10 +127,10 @@ def test_controller_kills_under_two_phase_puts_train_every_trajectory_exactly_on
         prods = [produce.remote(h.plane, h.producer(u), u, w, 0.05) for u, w in work.items()]
         kills = 0
         for at_version in (1, 3, 5):  # kill it while producers stream and complete and ranks fetch and ack
-            _wait(lambda: h.version >= at_version)
+            wait_until(lambda: h.version >= at_version)
             ray.kill(h.plane.controller_actor, no_restart=False)
             kills += 1
-            _wait(lambda: h.stats()[0].restarts == kills)
+            wait_until(lambda: h.stats()[0].restarts == kills)
         assert sum(ray.get(prods, timeout=120)) == batches * P * N
         got = ray.get(ranks, timeout=120)
         ids = [t for r in got for _, ts, _ in r for t in ts]

@@ -14,6 +14,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from e2e_helpers import wait_until  # noqa: E402
 from knittrans.admission.minibatch import KnitTransAdmission  # noqa: E402
 from knittrans.constraints import BatchConstraints  # noqa: E402
 from knittrans.mmdedup.plane import MMPayload  # noqa: E402
@@ -62,13 +63,6 @@ def train(dp: MMRayDataPlane, steps: int, step_s: float):  # noqa: ANN201
     return list(out.values())
 
 
-def _wait(pred, timeout: float = 60.0) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)  # polling a remote actor's counter (test driver only)
-
-
 def test_a_killed_mm_controller_actor_is_rebuilt_and_every_trajectory_trains_once_with_its_images(ray_local):
     wl = MultimodalWorkload(MMWorkloadConfig(prompts_per_batch=P, n=N, images_per_prompt=2,
                                              image_sizes=((56, 56), (56, 84)), seed=0))
@@ -98,10 +92,10 @@ def test_a_killed_mm_controller_actor_is_rebuilt_and_every_trajectory_trains_onc
         # 1: mid-run (producers putting, ranks stepping); 2: every put done, so the rebuilt controller knows the
         # groups and image keys of the steps still to come only from the units' manifests. Two kills: each restart
         # starts a new actor process (10-25 s at a load average of 30 on the shared cores)
-        _wait(lambda: dp.controller.version >= 1)
+        wait_until(lambda: dp.controller.version >= 1)
         dp.restart_controller()
         assert ray.get(prods, timeout=60) == len(sample)
-        _wait(lambda: dp.controller.version >= 2)
+        wait_until(lambda: dp.controller.version >= 2)
         before = dp.controller.version
         restarts = dp.restart_controller()
         assert restarts == 2 and before < BATCHES * M  # the last kill came before the last step
