@@ -84,8 +84,9 @@ def interleaved_passes(systems: Sequence[TransferSystem], passes: int, make_batc
             st = timed(lambda: s.run_steady(fresh(range(num_batches)), ipt)) if steady else None
             rw = None
             if raw:
-                raws = [timed(lambda: s.run_raw(fresh(range(num_batches, num_batches + 1))[0]))]
-                while len(raws) < raw_repeats and (repeat_below_s is None or raws[0].raw_s < repeat_below_s):
+                raws: list[PassResult] = []
+                while len(raws) < raw_repeats and (not raws or repeat_below_s is None
+                                                   or raws[0].raw_s < repeat_below_s):
                     raws.append(timed(lambda: s.run_raw(fresh(range(num_batches, num_batches + 1))[0])))
                 rw = median_raw(raws)
             for r, kind in ((st, PassKind.STEADY), (rw, PassKind.RAW)):
