@@ -24,12 +24,9 @@ those passes. Timings are of this machine at this moment: compare the arms withi
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import statistics
 import sys
-import threading
-import time
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -39,14 +36,11 @@ ARMS = ("ceiling alone", "one-message bound", "centralized", "knittrans-ray")
 
 
 def main(rounds: int) -> None:
-    import ray
     import torch
 
-    from knittrans.bench import ceiling as ceiling_mod
-    from knittrans.bench.ceiling import EngineCeilingSystem, RunsSource
+    from knittrans.bench.bounds import CompletingPuts, Notifier, notified
+    from knittrans.bench.ceiling import EngineCeilingSystem
     from knittrans.bench.ray_ranks import RaySession
-    from knittrans.bench.types import COMPLETION_FIELDS, streamed_payload
-    from knittrans.dataplane.types import TrajectoryPayload
     from repro.transfer import TransferConfig, layout_of, passes_of
     from repro.transfer_systems import System, make_system
 
@@ -54,104 +48,17 @@ def main(rounds: int) -> None:
     cfg = TransferConfig(workload="multimodal", systems=["engine-ceiling", "centralized", "knittrans-ray"])
     layout = layout_of(cfg)
     src = passes_of(cfg)
-    real_get = ray.get
-
-    class OtherPuts:
-        """``other``'s completing puts, per unit on a thread, as knittrans-ray's producers at t0 (inline, with their
-        metadata; ``other``'s streamed fields are written here, before t0); ``finish`` discards the batch."""
-
-        def __init__(self, dp, other) -> None:  # noqa: ANN001
-            self.dp, self.other = dp, other
-            streamed: dict[str, list] = {}
-            completing: dict[str, list] = {}
-            for r in other.rollouts:
-                unit = layout.unit(other.producer_of[r.traj.traj_id])
-                streamed.setdefault(unit, []).append(streamed_payload(r, True))
-                completing.setdefault(unit, []).append(
-                    TrajectoryPayload(r.traj.traj_id, {f: r.tensors[f] for f in COMPLETION_FIELDS}, meta=r.traj))
-            for unit, ps in streamed.items():
-                dp.client(unit).put(ps)
-            self.threads = [threading.Thread(target=dp.client(u).put, args=(ps,)) for u, ps in completing.items()]
-            self.started = False
-
-        def start(self) -> None:
-            if not self.started:
-                self.started = True
-                for t in self.threads:
-                    t.start()
-
-        def finish(self) -> None:
-            if self.started:
-                for t in self.threads:
-                    t.join()
-            self.dp.client().discard([r.traj.traj_id for r in self.other.rollouts])
-
-    @ray.remote(num_cpus=0, max_concurrency=4)
-    class Notifier:
-        """The one message: told once both completing puts are registered; every rank's ``wait`` returns then."""
-
-        def __init__(self) -> None:
-            self.reset()
-
-        def reset(self) -> None:
-            self.told, self.at = threading.Event(), 0.0
-
-        def tell(self) -> None:
-            self.at = time.perf_counter()
-            self.told.set()
-
-        def wait(self) -> float:
-            self.told.wait()
-            return self.at
-
-    @dataclasses.dataclass
-    class NotifiedRunsSource(RunsSource):
-        """``RunsSource`` whose rank waits for ``notifier``'s reply before its first share; the wait from the
-        notifier's stamp to the reply's arrival (0 when told before it asked) is added to that get."""
-
-        notifier: object = None
-
-        def obtain(self, step: int):  # noqa: ANN201
-            claim = 0.0
-            if step == 0:
-                t_ask = time.perf_counter()
-                at = real_get(self.notifier.wait.remote())
-                claim = max(0.0, time.perf_counter() - max(at, t_ask))
-            got = RunsSource.obtain(self, step)
-            return dataclasses.replace(got, get_s=got.get_s + claim, parts=(claim,) + tuple(got.parts[1:]))
 
     def bound(system: EngineCeilingSystem, batch, other, note):  # noqa: ANN001, ANN202
-        puts = OtherPuts(system._dp(batch), other)
-        real_get(note.reset.remote())
-
-        def tell() -> None:
-            for t in puts.threads:
-                t.join()
-            note.tell.remote()
-
-        teller = threading.Thread(target=tell)
-
-        def get(refs, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202 - the ranks' calls are out: t0
-            if isinstance(refs, list) and not puts.started:
-                puts.start()
-                teller.start()
-            return real_get(refs, *a, **k)
-
-        ceiling_mod.RunsSource = lambda locs, dp: NotifiedRunsSource(locs, dp, notifier=note)
-        ray.get = get
-        try:
-            return system.run_raw(batch)
-        finally:
-            ray.get, ceiling_mod.RunsSource = real_get, RunsSource
-            if puts.started:
-                teller.join()
-            puts.finish()
+        # another batch's completing puts, streamed before t0 and put with their metadata (inline) at t0, as
+        # knittrans-ray's producers; one wave: the table's groups span both rollout nodes
+        puts = CompletingPuts(system._dp(batch), other, layout, streamed=True, multimodal=True)
+        return notified(system, batch, puts, note, waves=1)
 
     out: dict[str, list[float]] = {a: [] for a in ARMS}
     with RaySession(cfg.num_ranks, 8) as session:
         session.warm_object_store()  # as the tables: the whole store, the ranks' pages mapped
-        note = Notifier.remote()  # one actor for the run (a new actor per pass would time its start-up)
-        real_get(note.reset.remote())
+        note = Notifier.remote(1)  # one actor for the run (a new actor per pass would time its start-up)
         ceiling = EngineCeilingSystem("engine-ceiling", layout, session, multimodal=True)
         others = {a: make_system(System(a), cfg, layout, session) for a in ("centralized", "knittrans-ray")}
         systems = [ceiling, *others.values()]

@@ -61,3 +61,36 @@ def test_the_in_process_ceiling_moves_exactly_the_bytes_knittrans_inproc_moves()
         assert res.raw_s > 0 and len(res.get_s) == cfg.num_ranks * cfg.num_minibatches
         assert all(p[0] == 0.0 for p in res.get_parts)  # no claim inside the timed window
         assert res.bytes_moved == ours.bytes_moved
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("workload,waves", [("text", 2), ("multimodal", 1)])
+def test_the_one_message_bound_moves_the_ceilings_bytes_and_leaves_the_other_batch_behind(workload, waves):
+    """``knittrans.bench.bounds`` (``scripts/ceiling_under_load.py``, ``scripts/mm_bound.py``): the ceiling's ranks
+    read each wave of their shares once one message says that wave's completing put is registered, while another
+    batch's completing puts run beside them. The same bytes as the ceiling alone, every get timed with the wait as
+    its claim, the other batch's puts finished and discarded (the plane holds nothing of it after the pass)."""
+    from knittrans.bench.bounds import CompletingPuts, Notifier, notified
+
+    mm = workload == "multimodal"
+    cfg = TransferConfig(workload=workload, num_minibatches=2,
+                         multimodal=MMTransferWorkload(prompts_per_batch=8, group_size=4, image_side=112))
+    cfg.text.prompts_per_batch = 4
+    layout = BenchLayout(cfg.num_ranks, cfg.num_units, cfg.lead_steps, cfg.warmup_batches, cfg.prefetch_depth)
+    src = passes_of(cfg)
+    with RaySession(cfg.num_ranks, cfg.ray_num_cpus) as session:
+        ceiling = make_system(System.ENGINE_CEILING, cfg, layout, session)
+        note = Notifier.remote(waves)
+        try:
+            alone = ceiling.run_raw(src.make(0, 0))
+            batch = src.make(1, 0)
+            dp = ceiling._dp(batch)
+            puts = CompletingPuts(dp, src.make(1000, 0), layout, streamed=mm, multimodal=mm)
+            told = notified(ceiling, batch, puts, note, waves)
+            held = dp.controller.stats().held
+        finally:
+            ceiling.close()
+    assert puts.started and not any(t.is_alive() for t in puts.threads)
+    assert told.bytes_moved == alone.bytes_moved and len(told.get_s) == cfg.num_ranks * cfg.num_minibatches
+    assert all(p[0] >= 0.0 for p in told.get_parts) and told.raw_s > 0
+    assert held == 0
