@@ -13,12 +13,13 @@ does (admission -> the rank holds the location).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
+from typing import Callable
 
 import ray
 
-from knittrans.bench import ceiling as ceiling_mod
 from knittrans.bench.ceiling import EngineCeilingSystem, RunsSource
 from knittrans.bench.types import COMPLETION_FIELDS, BenchLayout, Obtained, PassData, PassResult, streamed_payload
 from knittrans.dataplane.types import TrajectoryPayload
@@ -107,25 +108,20 @@ class NotifiedRunsSource(RunsSource):
         return dataclasses.replace(got, get_s=got.get_s + claim, parts=(claim,) + tuple(got.parts[1:]))
 
 
-def puts_at_t0(system: EngineCeilingSystem, batch: PassData, puts: CompletingPuts, also=None) -> PassResult:  # noqa: ANN001
-    """``system.run_raw(batch)`` with ``puts`` started as its ranks' calls go out (the ceiling takes t0 just before
-    its one ``ray.get`` of the ranks' runs: the first list it gets), ``also`` (a started thread's target, or None)
-    started with them; the puts are finished and discarded after the pass."""
-    real_get = ray.get
+def puts_at_t0(system: EngineCeilingSystem, batch: PassData, puts: CompletingPuts, also=None,  # noqa: ANN001
+               source: Callable[..., RunsSource] = RunsSource) -> PassResult:
+    """``system.run_raw(batch, source)`` with ``puts`` started as its ranks are at t0 (``run_raw``'s ``at_t0``),
+    ``also`` (a thread's target, or None) started with them; the puts are finished and discarded after the pass."""
     helper = threading.Thread(target=also) if also is not None else None
 
-    def get(refs, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
-        if isinstance(refs, list) and not puts.started:
-            puts.start()
-            if helper is not None:
-                helper.start()
-        return real_get(refs, *a, **k)
+    def start() -> None:
+        puts.start()
+        if helper is not None:
+            helper.start()
 
-    ray.get = get
     try:
-        return system.run_raw(batch)
+        return system.run_raw(batch, source=source, at_t0=start)
     finally:
-        ray.get = real_get
         if helper is not None and puts.started:
             helper.join()
         puts.finish()
@@ -145,9 +141,5 @@ def notified(system: EngineCeilingSystem, batch: PassData, puts: CompletingPuts,
             t.join()
         note.tell.remote(waves - 1)
 
-    real_source = ceiling_mod.RunsSource
-    ceiling_mod.RunsSource = lambda locs, dp: NotifiedRunsSource(locs, dp, notifier=note, waves=waves)
-    try:
-        return puts_at_t0(system, batch, puts, also=tell)
-    finally:
-        ceiling_mod.RunsSource = real_source
+    return puts_at_t0(system, batch, puts, also=tell,
+                      source=functools.partial(NotifiedRunsSource, notifier=note, waves=waves))

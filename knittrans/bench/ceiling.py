@@ -27,6 +27,7 @@ copying the same shares at once) with no puts, no admission, no prefetcher and n
 from __future__ import annotations
 
 import time
+from typing import Callable
 from dataclasses import dataclass, field
 
 from knittrans.bench.types import (COMPLETION_FIELDS, BenchLayout, Obtained, PassData, PassKind, PassResult,
@@ -110,7 +111,11 @@ class EngineCeilingSystem:
         """No steady pass: an empty result (no exposed latency is measured for the ceiling)."""
         return PassResult(PassKind.STEADY)
 
-    def run_raw(self, batch: PassData) -> PassResult:
+    def run_raw(self, batch: PassData, source: Callable[..., RunsSource] = RunsSource,
+                at_t0: Callable[[], None] | None = None) -> PassResult:
+        """The raw pass (module docstring). ``source`` builds each rank's step source from its locations and the plane
+        (a ``RunsSource`` or a subclass: ``knittrans.bench.bounds``); ``at_t0`` runs once the ranks are started at t0
+        (load to put beside their reads)."""
         from knittrans.bench.loop import finish_raw
 
         dp = self._dp(batch)
@@ -130,8 +135,8 @@ class EngineCeilingSystem:
         if any(loc.runs is None for ls in locs for loc in ls):
             raise RuntimeError(f"{self.name}: some share has no direct runs (a put below the object threshold?)")
         m = len(batch.minibatches)
-        sources = [RunsSource(tuple(ls), dp) for ls in locs]
-        traces, t0 = self._threads(sources, m) if self.in_process else self._actors(sources, m)
+        sources = [source(tuple(ls), dp) for ls in locs]
+        traces, t0 = self._threads(sources, m, at_t0) if self.in_process else self._actors(sources, m, at_t0)
         res = finish_raw(traces, t0)
         for ls in locs:  # consumed: release the batch so the units drop it
             for loc in ls:
@@ -139,22 +144,33 @@ class EngineCeilingSystem:
         dp.wait_drained(timeout=600)
         return res
 
-    def _actors(self, sources: list[RunsSource], m: int) -> tuple[list, float]:
+    def _actors(self, sources: list[RunsSource], m: int,
+                at_t0: Callable[[], None] | None = None) -> tuple[list, float]:
         """Each rank actor reads its shares (the runs travel as the call's argument); t0 as the calls go out."""
         import ray
 
         from knittrans.bench.ray_ranks import RankRun
 
         t0 = time.perf_counter()
-        return ray.get([rk.run.remote(src, RankRun(1, m, 0.0)) for rk, src in zip(self.session.ranks, sources)]), t0
+        runs = [rk.run.remote(src, RankRun(1, m, 0.0)) for rk, src in zip(self.session.ranks, sources)]
+        if at_t0 is not None:
+            at_t0()
+        return ray.get(runs), t0
 
     @staticmethod
-    def _threads(sources: list[RunsSource], m: int) -> tuple[list, float]:
+    def _threads(sources: list[RunsSource], m: int,
+                 at_t0: Callable[[], None] | None = None) -> tuple[list, float]:
         """One thread per rank, started and waiting before t0, released together at t0 (knittrans-inproc's
         ranks: ``loop.rank_threads``)."""
         from knittrans.bench.loop import rank_threads
 
-        return rank_threads(sources, 1, m, 0.0, time.perf_counter, name="inproc-ceiling")
+        def clock() -> float:
+            t0 = time.perf_counter()
+            if at_t0 is not None:
+                at_t0()
+            return t0
+
+        return rank_threads(sources, 1, m, 0.0, clock, name="inproc-ceiling")
 
     def close(self) -> None:
         if self._plane is not None:
