@@ -118,7 +118,7 @@ class MMPutRecord(PutRecord):
     every occurrence apart (``dedup=False``: no cross-unit dedup either)."""
     image_where: tuple[tuple[object, int, int, int], ...] | None = None
     """Per image occurrence, where the unit keeps its bytes: (source, array of it, first byte, end byte) -- a
-    one-array tuple of the stored encoding in process, the unit's object of the put's images on Ray -- so a rank
+    one-array tuple of the stored encoding in process, the image's own object of the unit's on Ray -- so a rank
     reads each distinct image of its share straight from it (``MMShareRuns``); None when this put carried none."""
 
 

@@ -132,3 +132,40 @@ def test_ray_ranks_fetch_each_distinct_image_once_when_a_groups_copies_sit_on_bo
         assert plane.live_bytes() == 0
     finally:
         plane.close()
+
+
+def test_a_share_names_only_its_own_images_objects(ray_local):
+    """Ray moves whole objects between nodes: a rank on another node pulls every object its share names. Each
+    distinct image is an object of its own (``MMUnitHost.IMAGE_OBJECTS``), so the image objects a share names hold
+    exactly its distinct images' bytes -- not the other groups' images of the same put (with one object per put,
+    a rank pulled all of them and every further rank pulled them again)."""
+    from knittrans.dataplane.types import MiniBatchKey
+    from knittrans.mmdedup.plane import IMAGE_FIELD, MMShareRuns
+
+    wl = MultimodalWorkload(MMWorkloadConfig(prompts_per_batch=4, n=2, images_per_prompt=2,
+                                             image_sizes=((56, 56), (56, 84)), seed=2))
+    groups = wl.sample_batch(0)
+    plane = build_mm_ray(UNITS, RANKS)
+    try:
+        ray.get(produce.remote(plane, "u0", [  # one put of every group: each rank's share needs half its images
+            MMPayload(s.traj_id, trajectory_fields(s), group=gi,
+                      encodings=tuple(g.images[j].pixel_values for j in s.image_index),
+                      grids=tuple(g.images[j].grid_thw for j in s.image_index))
+            for gi, g in enumerate(groups) for s in g.samples]))
+        plane.client().admit(MiniBatch(0, 0, tuple(s.traj_id for g in groups for s in g.samples), (0, 1, 2, 3), 0))
+        fields = tuple(plane.schema.names)
+        for rank in range(2):
+            loc = plane.controller.claim(MiniBatchKey(0, 0), rank, fields)
+            runs = loc.runs
+            assert isinstance(runs, MMShareRuns) and IMAGE_FIELD in loc.fields
+            mine = {id(g): g for g in groups if any(s.traj_id in loc.traj_ids for s in g.samples)}
+            want = sum(im.nbytes for g in mine.values() for im in g.images)
+            assert 0 < want < sum(im.nbytes for g in groups for im in g.images)
+            image_sources = sorted({o for o, _, _, _ in runs.images.tolist()})
+            field_sources = {o for r in runs.runs for o in r[:, 0].tolist()}
+            assert not set(image_sources) & field_sources
+            held = sum(a.nbytes for o in image_sources for a in ray.get(runs.sources[o]))
+            assert held == sum(b - a for _, _, a, b in runs.images.tolist()) == want
+            plane.controller.unclaim(MiniBatchKey(0, 0), rank, fields)
+    finally:
+        plane.close()
