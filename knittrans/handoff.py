@@ -518,10 +518,14 @@ class Handoff:
         return StalenessStats.of_counts(tuple(counts.items()))
 
     def stats(self) -> tuple[ControllerStats, list[UnitStats]]:
+        """The controller's and the units' counters (the acks of this process's consumers sent first)."""
+        self._flush_consumers()
         return self.plane.controller_stats(), self.plane.unit_stats()
 
     def wait_drained(self, timeout: float | None = None) -> int:
-        """Block until every unit confirmed dropping every released mini-batch."""
+        """Block until every unit confirmed dropping every released mini-batch (the acks of this process's
+        consumers sent first: a share acked here counts, however long its ack would have waited to be batched)."""
+        self._flush_consumers()
         return self.plane.wait_drained(timeout)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------

@@ -320,6 +320,19 @@ def pack_runs(loc: ShareLocation, objects: Sequence[Sequence[np.ndarray]], schem
                        num_tokens=tokens, seq=loc.seq, group_ids=loc.group_ids, epoch=loc.epoch)
 
 
+class _LocalAcks:
+    """An in-process controller and its units behind ``feed.AckSender``'s ``ack_many``: each ack applied in order
+    as ``DataPlaneClient``'s synchronous ack (the first failure raises; the acks before it stay applied)."""
+
+    def __init__(self, controller, units: Mapping[str, object]) -> None:  # noqa: ANN001 - a Controller
+        self.controller, self.units = controller, units
+
+    def ack_many(self, acks: Sequence[tuple[MiniBatchKey, int, tuple[str, ...], int | None]]) -> None:
+        for key, rank, fields, epoch in acks:
+            for unit_id, ts in self.controller.ack(key, rank, fields, epoch):
+                self.units[unit_id].drop(ts)
+
+
 _LAYOUTS: dict[int, tuple[TrajectorySchema, dict[str, tuple[FieldSpec, np.dtype, int]]]] = {}
 
 
@@ -427,12 +440,15 @@ class DataPlaneClient:
     remote_controller: bool = False
     """The controller is another process (Ray): a rank's claims come by long poll (``feed``: ``ShareFeed``) and its
     acks are batched and sent asynchronously (``AckSender``; ``flush_acks`` waits for them), so neither round trip
-    is on the rank's critical path. In process both are plain calls."""
+    is on the rank's critical path. In process claims are plain calls, and acks too unless ``ack_delay_s``."""
     _acks: object = field(default=None, init=False, repr=False)  # the AckSender, created on first ack
     ack_delay_s: float = field(default=0.0, repr=False)
-    """With a remote controller, how long the ack sender waits after an ack for more before it sends them in one
-    call (``feed.AckSender``; 0: at once). ``knittrans.Consumer`` sets ``feed.ACK_DELAY_S``: it flushes its acks
-    at the end of its stream, on ``flush`` and on ``close``; a caller of ``fetch`` / ``ack`` who reads the
+    """How long the ack sender waits after an ack for more before it applies them in one batch (``feed.AckSender``;
+    with a remote controller 0 sends at once; in process 0 applies each ack in the caller's thread, > 0 queues
+    them as a remote controller's are: a mini-batch's release -- the controller's compaction and the units' drops,
+    ~1.4 ms of Python for 128 trajectories -- then leaves the rank's thread, and a share packing beside it on
+    the same GIL, docs/experiments.md, session 50). ``knittrans.Consumer`` sets ``feed.ACK_DELAY_S``: it flushes
+    its acks at the end of its stream, on ``flush`` and on ``close``; a caller of ``fetch`` / ``ack`` who reads the
     controller's view of its acks right after them calls ``flush_acks``."""
     _sources: SourceCache = field(default_factory=SourceCache, init=False, repr=False)
     """The sources this (remote) reader mapped, kept until retired (``SourceCache``)."""
@@ -566,19 +582,20 @@ class DataPlaneClient:
 
     def _ack(self, key: MiniBatchKey, rank: int, fields: tuple[str, ...], epoch: int | None) -> None:
         self._sources.release((key, rank))
-        if self.remote_controller:
+        if self.remote_controller or self.ack_delay_s > 0:
             if self._acks is None:
                 from knittrans.dataplane.feed import AckSender
 
-                self._acks = AckSender(self.controller, self.ack_delay_s)
+                target = self.controller if self.remote_controller else _LocalAcks(self.controller, self.units)
+                self._acks = AckSender(target, self.ack_delay_s)
             self._acks.send(key, rank, fields, epoch)
             return
-        for unit_id, ts in self.controller.ack(key, rank, fields, epoch):
-            self.units[unit_id].drop(ts)
+        _LocalAcks(self.controller, self.units).ack_many([(key, rank, fields, epoch)])
 
     def flush_acks(self, timeout: float | None = 60.0) -> None:
         """Wait until every ack this client sent is applied by the controller; re-raise the first that failed
-        (a no-op in process, where acks are synchronous). ``TimeoutError`` after ``timeout`` seconds."""
+        (a no-op in process without ``ack_delay_s``, where acks are synchronous). ``TimeoutError`` after
+        ``timeout`` seconds."""
         if self._acks is not None:
             self._acks.flush(timeout)
 
