@@ -396,8 +396,9 @@ class Consumer:
         return () if self._prefetcher is None else self._prefetcher.events
 
     def flush(self, timeout: float | None = 60.0) -> None:
-        """Wait until this rank's acks reached the controller (on Ray they are sent asynchronously, off the
-        trainer's critical path); re-raises the first ack that failed."""
+        """Wait until this rank's acks reached the controller (they are delayed and batched, off the trainer's
+        critical path: on Ray, and in process, ``DataPlaneClient.ack_delay_s``); re-raises the first ack that
+        failed."""
         if self._client is not None:
             self._client.flush_acks(timeout)
 

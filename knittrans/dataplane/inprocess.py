@@ -131,7 +131,9 @@ class InProcessDataPlane:
                                getter=DeadlineGetter(self.units, self.read_timeout_s), checksums=self.checksums)
 
     def wait_drained(self, timeout: float | None = None) -> int:
-        """Drops happen inside ``ack`` on this transport (synchronously): nothing is ever pending."""
+        """Drops happen inside the ack that releases a mini-batch on this transport (synchronously, in the thread
+        that applies it: the caller's, or a client's ack sender with ``ack_delay_s``; ``Handoff.wait_drained``
+        flushes its consumers' acks first): nothing is ever pending here."""
         return 0
 
     def unit_stats(self) -> list[UnitStats]:
