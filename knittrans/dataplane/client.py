@@ -38,8 +38,8 @@ import numpy as np
 from knittrans.dataplane import trace
 from knittrans.dataplane.buffers import BufferPool, aligned, copy_rows, process_pool
 from knittrans.dataplane.columns import PutColumns, check_columns, columns_of
-from knittrans.dataplane.types import (AdmittedMiniBatch, DataPlaneClosedError, DataPlaneError, FieldSpec,
-                                       MiniBatchKey, PackedField, PackedShare, PutRecord, SchemaMismatchError, ShareLocation,
+from knittrans.dataplane.types import (AdmittedMiniBatch, DataPlaneClosedError, DataPlaneError, MiniBatchKey,
+                                       PackedField, PackedShare, PutRecord, SchemaMismatchError, ShareLocation,
                                        ResolveStalledError, Retired, ShareRuns, ShareTooLargeError, TrajectoryPayload,
                                        TrajectorySchema, UnitChunk, UnitLostError)
 from knittrans.types import MiniBatch
@@ -223,7 +223,8 @@ def pack_share(loc: ShareLocation, chunks: Sequence[UnitChunk], schema: Trajecto
             tensor = torch.from_numpy(values)
         if rows:  # the one copy: every row from its chunk into the packed tensor (GIL held: ``copy_rows``)
             copy_rows(rows, values, spec.ragged)
-        out[name] = _packed_field(name, tensor, lens, loc, casts.get(name), pin)
+        cu = None if lens is None else _cu_seqlens(lens, name, loc)
+        out[name] = _packed_field(name, tensor, cu, casts.get(name), pin)
         tokens = n if name == schema.token_field else tokens
     return PackedShare(key=loc.key, rank=loc.rank, traj_ids=loc.traj_ids, fields=out, nbytes=loc.nbytes,
                        num_tokens=tokens, seq=loc.seq, group_ids=loc.group_ids, epoch=loc.epoch)
@@ -236,17 +237,13 @@ def _cu_seqlens(lens: Sequence[int] | np.ndarray, name: str, loc: ShareLocation)
     return cu_seqlens_int32(offs, name, loc)
 
 
-def _packed_field(name: str, tensor: "torch.Tensor", lens: Sequence[int] | np.ndarray | None, loc: ShareLocation,
-                  cast: str | None, pin: bool, cu_seqlens: np.ndarray | None = None) -> PackedField:
-    """A packed field: ``cu_seqlens`` from the rows' lengths (ragged fields; or given: ``cu_seqlens``), the
-    trainer's cast (pinned again when a GPU reads it: the cast made a new, pageable tensor)."""
+def _packed_field(name: str, tensor: "torch.Tensor", cu_seqlens: np.ndarray | None, cast: str | None,
+                  pin: bool) -> PackedField:
+    """A packed field: its ``cu_seqlens`` (ragged fields, ``_cu_seqlens``), the trainer's cast (pinned again when
+    a GPU reads it: the cast made a new, pageable tensor)."""
     import torch
 
-    cu = None
-    if cu_seqlens is not None:
-        cu = torch.from_numpy(cu_seqlens)
-    elif lens is not None:
-        cu = torch.from_numpy(_cu_seqlens(lens, name, loc))
+    cu = None if cu_seqlens is None else torch.from_numpy(cu_seqlens)
     if cast is not None:
         tensor = tensor.to(getattr(torch, cast))
         if pin:
@@ -278,7 +275,7 @@ def pack_runs(loc: ShareLocation, objects: Sequence[Sequence[np.ndarray]], schem
     casts = dict(prepare.casts)
     pin = prepare.pin_memory and torch.cuda.is_available()
     flat = [[memoryview(_bytes_of(a)) for a in arrays] for arrays in objects]  # each source array's bytes
-    layout = _field_layouts(schema)
+    layout = schema.row_layouts
     plan, total = [], 0
     for f, name in enumerate(loc.fields):
         spec, dtype, row = layout[name]
@@ -314,7 +311,7 @@ def pack_runs(loc: ShareLocation, objects: Sequence[Sequence[np.ndarray]], schem
             tensor = pinned[off:off + nbytes].view(torch.from_numpy(np.empty(0, dtype)).dtype).reshape(shape)
         else:  # numpy views: no torch method call, none that drops the GIL (see the docstring)
             tensor = torch.from_numpy(buf[off:off + nbytes].view(dtype).reshape(shape))
-        out[name] = _packed_field(name, tensor, None, loc, casts.get(name), pin, cu)
+        out[name] = _packed_field(name, tensor, cu, casts.get(name), pin)
         tokens = n if name == schema.token_field else tokens
     return PackedShare(key=loc.key, rank=loc.rank, traj_ids=loc.traj_ids, fields=out, nbytes=loc.nbytes,
                        num_tokens=tokens, seq=loc.seq, group_ids=loc.group_ids, epoch=loc.epoch)
@@ -331,24 +328,6 @@ class _LocalAcks:
         for key, rank, fields, epoch in acks:
             for unit_id, ts in self.controller.ack(key, rank, fields, epoch):
                 self.units[unit_id].drop(ts)
-
-
-_LAYOUTS: dict[int, tuple[TrajectorySchema, dict[str, tuple[FieldSpec, np.dtype, int]]]] = {}
-
-
-def _field_layouts(schema: TrajectorySchema) -> dict[str, tuple[FieldSpec, np.dtype, int]]:
-    """Per field of ``schema``: its spec, numpy dtype and bytes per row, worked out once per schema (per share they
-    cost ~30 us of numpy calls for four fields, a tenth of the share's copy)."""
-    got = _LAYOUTS.get(id(schema))
-    if got is None or got[0] is not schema:
-        if len(_LAYOUTS) > 64:  # schemas are few and long-lived; never let the cache grow without bound
-            _LAYOUTS.clear()
-        layouts = {}
-        for spec in schema.fields:
-            dtype = np.dtype(spec.dtype)
-            layouts[spec.name] = (spec, dtype, dtype.itemsize * int(np.prod(spec.tail, dtype=np.int64)))
-        got = _LAYOUTS[id(schema)] = (schema, layouts)
-    return got[1]
 
 
 def _bytes_of(a: np.ndarray) -> np.ndarray:

@@ -35,10 +35,6 @@ class MMUnitHost(UnitHost):
     """An ``MMStorageUnit`` behind the storage-unit actor API, plus its encoding-store statistics."""
 
     COLUMNS_FALLBACK = False  # a columnar put it does not take is a first put: the client sends its MMPayloads
-    IMAGE_OBJECTS = True
-    """Each distinct image of a put is an object of its own (False: one object holds all of a put's images).
-    Ray moves whole objects between nodes, so with one object per put a rank on another node pulled every image
-    of the put -- its share needs only its own groups' -- and each further rank pulled the same bytes again."""
 
     def __init__(self, unit_id: str, node: str, schema: TrajectorySchema, hash_fn: HashFn, dedup: bool = True) -> None:
         import torch
@@ -50,8 +46,10 @@ class MMUnitHost(UnitHost):
 
     def _put_views(self, payloads: list) -> list:
         """A large put's fields are views of the unit's object (``UnitHost.put_stored``); each distinct image
-        becomes an object of this unit's (``IMAGE_OBJECTS``), stored as it lies there (no second copy), so a rank
-        reads each distinct image of its share straight from it (``MMShareRuns``) and pulls no other."""
+        becomes an object of this unit's, stored as it lies there (no second copy), so a rank reads each distinct
+        image of its share straight from it (``MMShareRuns``) and pulls no other: Ray moves whole objects between
+        nodes, and with one object for all of a put's images a rank on another node pulled every image of the put
+        -- its share needs only its own groups' -- and each further rank pulled the same bytes again."""
         import torch
 
         seen: dict[int, int] = {}
@@ -65,21 +63,14 @@ class MMUnitHost(UnitHost):
             return self.unit.put(payloads, copy=False)
         arrays = [(e.detach().contiguous().view(torch.int16) if e.dtype == torch.bfloat16 else e.detach().contiguous())
                   .numpy() for e in imgs]
-        if self.IMAGE_OBJECTS:  # one object per distinct image: a rank pulls only its share's images
-            refs = [ray.put((a,)) for a in arrays]
-            got = [g[0] for g in ray.get(refs)]
-            at = [(r, 0) for r in refs]
-        else:
-            ref = ray.put(tuple(arrays))
-            got = list(ray.get(ref))
-            at = [(ref, j) for j in range(len(arrays))]
+        refs = [ray.put((a,)) for a in arrays]  # one object per distinct image
         with warnings.catch_warnings():  # read-only object views; nothing writes through them
             warnings.simplefilter("ignore", UserWarning)
-            views = [torch.from_numpy(v) for v in got]
+            views = [torch.from_numpy(g[0]) for g in ray.get(refs)]
         views = [v.view(torch.bfloat16) if e.dtype == torch.bfloat16 else v for v, e in zip(views, imgs)]
         placed = [dataclasses.replace(p, encodings=tuple(views[seen[id(e)]] for e in p.encodings))
                   if getattr(p, "encodings", ()) else p for p in payloads]
-        return self.unit.put(placed, copy=False, views={v.data_ptr(): a for v, a in zip(views, at)})
+        return self.unit.put(placed, copy=False, views={v.data_ptr(): (r, 0) for v, r in zip(views, refs)})
 
     def get(self, traj_ids: Sequence[int], fields: Sequence[str],
             serve: Collection[ImageKey] | None = None) -> UnitChunk:

@@ -136,9 +136,9 @@ def test_ray_ranks_fetch_each_distinct_image_once_when_a_groups_copies_sit_on_bo
 
 def test_a_share_names_only_its_own_images_objects(ray_local):
     """Ray moves whole objects between nodes: a rank on another node pulls every object its share names. Each
-    distinct image is an object of its own (``MMUnitHost.IMAGE_OBJECTS``), so the image objects a share names hold
+    distinct image is an object of its own (``MMUnitHost._put_views``), so the image objects a share names hold
     exactly its distinct images' bytes -- not the other groups' images of the same put (with one object per put,
-    a rank pulled all of them and every further rank pulled them again)."""
+    a rank pulled all of them and every further rank pulled them again: 903168 bytes here against 451584)."""
     from knittrans.dataplane.types import MiniBatchKey
     from knittrans.mmdedup.plane import IMAGE_FIELD, MMShareRuns
 
